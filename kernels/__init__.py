@@ -1,0 +1,1 @@
+"""tandem: the reference ops (torch) and the CUDA kernels."""

@@ -1,0 +1,1 @@
+"""tandem: one process per device (weights, state, layer program)."""

@@ -1,0 +1,220 @@
+"""The layer program of the Qwen3.5/3.6 hybrid model for one shard, on the reference ops.
+
+A step gives each of B sequences some number of input columns (a prefill chunk, one decode token,
+or the K+1 columns of a speculation round); all N columns are projected together and each
+sequence's mixer runs against its own state (KV pages for attention layers, a state slot for GDN
+layers). Decode is the case of one column per sequence.
+
+The model knows nothing about ranks: tensor parallelism hands it a weight shard and an
+`all_reduce` that sums row-parallel outputs (after o_proj / out_proj, and after the FFN's down
+projection). With one rank the all-reduce is the identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+from kernels import reference as ops
+from ranks.kvcache import ModelState
+from ranks.weights import Checkpoint, load_weights
+from runtime.config import FULL_ATTENTION, ModelSpec, load_spec
+
+log = logging.getLogger(__name__)
+Tensor = torch.Tensor
+LogitsMode = Literal["last", "all", "none"]
+
+
+@dataclass
+class Batch:
+    """Inputs of one step: B sequences, N = sum(columns) input columns.
+
+    token_ids    [N] int64, the columns of sequence 0, then sequence 1, ...
+    columns      [B] number of input columns per sequence
+    starts       [B] tokens already in each sequence's state: its first column sits at that position;
+                 0 means a fresh sequence (its GDN state starts from zeros, whatever the slot holds)
+    slots        [B] GDN state slot per sequence
+    page_tables  [B, max_pages] int32 KV page ids (entries past a sequence's need are ignored)
+    """
+    token_ids: Tensor
+    columns: list[int]
+    starts: list[int]
+    slots: list[int]
+    page_tables: Tensor
+
+    def __post_init__(self) -> None:
+        B = len(self.columns)
+        if not (len(self.starts) == len(self.slots) == B and self.page_tables.shape[0] == B):
+            raise ValueError(f"batch fields disagree on B: columns {B}, starts {len(self.starts)}, "
+                             f"slots {len(self.slots)}, page_tables {tuple(self.page_tables.shape)}")
+        if self.token_ids.shape != (sum(self.columns),):
+            raise ValueError(f"token_ids has shape {tuple(self.token_ids.shape)}; columns sum to {sum(self.columns)}")
+        if any(c < 1 for c in self.columns):
+            raise ValueError(f"every sequence needs at least one column, got {self.columns}")
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """(begin, end) row range of each sequence's columns."""
+        out, at = [], 0
+        for c in self.columns:
+            out.append((at, at + c))
+            at += c
+        return out
+
+    def positions(self, device: torch.device | str = "cpu") -> Tensor:
+        """[N] position of every column."""
+        return torch.cat([torch.arange(s, s + c) for s, c in zip(self.starts, self.columns)]).to(device)
+
+
+@dataclass
+class StepOutput:
+    hidden: Tensor          # [N, E] final-norm hidden (the MTP layer's input)
+    logits: Tensor | None   # [B, V] (mode "last") or [N, V] (mode "all")
+
+
+class HybridModel:
+    """One shard of the model: weights by canonical name plus the forward program."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, Tensor], *, tp: int = 1,
+                 all_reduce: Callable[[Tensor], Tensor] | None = None):
+        self.spec, self.w, self.tp = spec, weights, tp
+        self.all_reduce = all_reduce or (lambda t: t)
+        emb = weights["embed_tokens.weight"]
+        self.dtype, self.device = emb.dtype, emb.device
+        self.head = weights["embed_tokens.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
+        self.has_mtp = "mtp.fc.weight" in weights
+        self.attn_index = {i: j for j, i in enumerate(spec.full_attention_layers)}
+        self.gdn_index = {i: j for j, i in enumerate(spec.linear_attention_layers)}
+        # per-shard head counts
+        self.num_heads, self.num_kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
+        self.hk, self.hv = spec.linear_num_key_heads // tp, spec.linear_num_value_heads // tp
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> "HybridModel":
+        spec = load_spec(model_dir)
+        weights = load_weights(Checkpoint(model_dir), spec, dtype=dtype, device=device)
+        log.info("loaded %s: %d layers, %s, %.1f M parameters", model_dir, spec.num_layers, dtype,
+                 sum(t.numel() for t in weights.values()) / 1e6)
+        return cls(spec, weights)
+
+    def new_state(self, num_slots: int, num_pages: int) -> ModelState:
+        return ModelState(self.spec, num_slots, num_pages, self.dtype, self.device, tp=self.tp,
+                          with_mtp=self.has_mtp)
+
+    # ----------------------------------------------------------------------------------------------
+    # Forward passes
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, state: ModelState, logits: LogitsMode = "last") -> StepOutput:
+        """Run all layers over the batch's columns, updating `state` (KV written, GDN state advanced)."""
+        s = self.spec
+        positions = batch.positions(self.device)
+        cos, sin = ops.rope_cos_sin(positions, s.rotary_dim, s.rope_theta, self.dtype)
+        x = ops.embedding(batch.token_ids.to(self.device), self.w["embed_tokens.weight"])   # [N, E]
+        for i, kind in enumerate(s.layer_types):
+            p = f"layers.{i}."
+            h = ops.rms_norm(x, self.w[p + "input_layernorm.weight"], s.rms_norm_eps)
+            if kind == FULL_ATTENTION:
+                j = self.attn_index[i]
+                y = self._attention(p, h, batch, positions, cos, sin, state.k[j], state.v[j])
+            else:
+                y = self._gated_deltanet(p, h, batch, state, self.gdn_index[i])
+            x = x + y
+            x = x + self._ffn(p, ops.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], s.rms_norm_eps))
+        hidden = ops.rms_norm(x, self.w["norm.weight"], s.rms_norm_eps)
+        return StepOutput(hidden, self._logits(hidden, batch, logits))
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch: Batch, hidden: Tensor, state: ModelState,
+                    logits: LogitsMode = "all") -> StepOutput:
+        """The MTP layer over the batch's columns.
+
+        Column t of a sequence carries the id of the token *after* position starts+t and `hidden`
+        [N, E] is the main model's final-norm hidden at that position (or the previous MTP output,
+        for drafts 2..K). Writes the MTP layer's KV at those positions. Returns m (post mtp.norm,
+        the feedback hidden) and logits that predict the token two ahead.
+        """
+        if not self.has_mtp:
+            raise RuntimeError("this checkpoint has no MTP weights")
+        s = self.spec
+        positions = batch.positions(self.device)
+        cos, sin = ops.rope_cos_sin(positions, s.rotary_dim, s.rope_theta, self.dtype)
+        e = ops.embedding(batch.token_ids.to(self.device), self.w["embed_tokens.weight"])
+        x = ops.mtp_fuse(e, hidden.to(self.dtype), self.w["mtp.pre_fc_norm_embedding.weight"],
+                         self.w["mtp.pre_fc_norm_hidden.weight"], self.w["mtp.fc.weight"], s.rms_norm_eps)
+        p = "mtp.layers.0."
+        h = ops.rms_norm(x, self.w[p + "input_layernorm.weight"], s.rms_norm_eps)
+        x = x + self._attention(p, h, batch, positions, cos, sin, state.mtp_k, state.mtp_v)
+        x = x + self._ffn(p, ops.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], s.rms_norm_eps))
+        m = ops.rms_norm(x, self.w["mtp.norm.weight"], s.rms_norm_eps)
+        return StepOutput(m, self._logits(m, batch, logits))
+
+    def _logits(self, hidden: Tensor, batch: Batch, mode: LogitsMode) -> Tensor | None:
+        if mode == "none":
+            return None
+        if mode == "last":
+            hidden = hidden[[end - 1 for _, end in batch.bounds]]
+        return ops.lm_head(hidden, self.head)
+
+    # ----------------------------------------------------------------------------------------------
+    # Mixers and FFN
+
+    def _attention(self, p: str, h: Tensor, batch: Batch, positions: Tensor, cos: Tensor, sin: Tensor,
+                   k_pool: Tensor, v_pool: Tensor) -> Tensor:
+        s, w, N = self.spec, self.w, h.shape[0]
+        H, KV, D = self.num_heads, self.num_kv_heads, s.head_dim
+        q, gate = ops.split_q_gate(ops.linear(h, w[p + "self_attn.q_proj.weight"]), H, D)   # [N,H,D], [N,H*D]
+        k = ops.linear(h, w[p + "self_attn.k_proj.weight"]).view(N, KV, D)
+        v = ops.linear(h, w[p + "self_attn.v_proj.weight"]).view(N, KV, D)
+        q = ops.apply_partial_rope(ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], s.rms_norm_eps), cos, sin)
+        k = ops.apply_partial_rope(ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], s.rms_norm_eps), cos, sin)
+        out = torch.empty_like(q)
+        for b, (lo, hi) in enumerate(batch.bounds):
+            table = batch.page_tables[b].to(self.device)
+            ops.paged_kv_write(k_pool, v_pool, table, positions[lo:hi], k[lo:hi], v[lo:hi])
+            out[lo:hi] = ops.paged_attention(q[lo:hi], k_pool, v_pool, table, positions[lo:hi], D ** -0.5)
+        o = out.reshape(N, H * D) * torch.sigmoid(gate)
+        return self.all_reduce(ops.linear(o, w[p + "self_attn.o_proj.weight"]))
+
+    def _gated_deltanet(self, p: str, h: Tensor, batch: Batch, state: ModelState, j: int) -> Tensor:
+        s, w, N = self.spec, self.w, h.shape[0]
+        HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
+        p += "linear_attn."
+        qkv = ops.linear(h, w[p + "in_proj_qkv.weight"])                       # [N, C] = [q | k | v]
+        z = ops.linear(h, w[p + "in_proj_z.weight"]).view(N, HV, DV)
+        g, beta = ops.gdn_gates(ops.linear(h, w[p + "in_proj_a.weight"]), ops.linear(h, w[p + "in_proj_b.weight"]),
+                                w[p + "A_log"], w[p + "dt_bias"])              # [N, HV] each
+        conv_w = w[p + "conv1d.weight"][:, 0, :]                               # [C, K]
+        out = torch.empty(N, HV, DV, dtype=self.dtype, device=self.device)
+        for b, (lo, hi) in enumerate(batch.bounds):
+            slot, fresh = batch.slots[b], batch.starts[b] == 0
+            y, conv_state = ops.causal_conv1d(qkv[lo:hi], conv_w, None if fresh else state.conv[j][slot])
+            q, k, v = torch.split(y, [HK * DK, HK * DK, HV * DV], dim=-1)
+            T = hi - lo
+            q, k = ops.gdn_prepare_qk(q.view(T, HK, DK), k.view(T, HK, DK), HV // HK)
+            o, rec = ops.gated_delta_rule(q, k, v.reshape(T, HV, DV), g[lo:hi], beta[lo:hi],
+                                          None if fresh else state.recurrent[j][slot])
+            state.conv[j][slot] = conv_state
+            state.recurrent[j][slot] = rec
+            out[lo:hi] = o.to(self.dtype)
+        y = ops.gated_rms_norm(out, z, w[p + "norm.weight"], s.rms_norm_eps).reshape(N, HV * DV)
+        return self.all_reduce(ops.linear(y, w[p + "out_proj.weight"]))
+
+    def _ffn(self, p: str, h: Tensor) -> Tensor:
+        w = self.w
+        p += "mlp."
+        if not self.spec.is_moe:
+            return self.all_reduce(ops.swiglu_mlp(h, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
+                                                  w[p + "down_proj.weight"]))
+        shared = None
+        if p + "shared_expert.gate_proj.weight" in w:
+            shared = (w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
+                      w[p + "shared_expert.down_proj.weight"])
+        y = ops.moe_block(h, w[p + "gate.weight"], self.spec.num_experts_per_tok, w[p + "experts.gate_up_proj"],
+                          w[p + "experts.down_proj"], shared, w.get(p + "shared_expert_gate.weight"))
+        return self.all_reduce(y)

@@ -1,0 +1,410 @@
+"""Safetensors checkpoints: lazy per-tensor (and per-slice) reads, validation, writing.
+
+Names are canonicalised on open: ``model.language_model.X`` and ``model.X`` become ``X``
+(``layers.3.self_attn.q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``); ``lm_head.weight``
+and ``mtp.*`` keep their names; ``model.visual.*`` (the vision tower) is ignored.
+
+MoE experts are accepted fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj
+[E, H, I]``, the official on-disk form) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``,
+what transformers' save_pretrained writes); ``load_weights`` always returns the fused form.
+
+Every header is parsed and checked against the file size before anything is read, and
+``validate`` compares the whole tensor set with what the ModelSpec implies, so a bad checkpoint is
+refused with one message that names the file and the tensor before any model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from runtime.config import FULL_ATTENTION, ModelSpec
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype tag -> (torch dtype, bytes per element)
+_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_FLOAT_TAGS = ("F32", "F16", "BF16")
+_TORCH_TO_TAG = {v[0]: k for k, v in _DTYPES.items()}
+
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_TEXT_PREFIXES = ("model.language_model.", "model.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str          # absolute path of the .safetensors file
+    key: str           # the name inside that file
+    dtype: str         # safetensors tag (BF16, F32, ...)
+    shape: tuple[int, ...]
+
+
+def canonical_name(key: str) -> str | None:
+    """The tandem name of a checkpoint key, or None for tensors tandem ignores (vision tower)."""
+    if key.startswith(_VISION_PREFIXES):
+        return None
+    for prefix in _TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def read_header(path: str) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors header against the file size."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 2**20:
+                raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file {size} bytes)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
+    data_size = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            tag, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}: tensor {key!r}: malformed header entry {entry!r}") from e
+        if tag not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {key!r}: unknown dtype {tag!r}")
+        nbytes = math.prod(shape) * _DTYPES[tag][1]
+        if end - begin != nbytes or begin < 0:
+            raise CheckpointError(f"{path}: tensor {key!r}: data offsets [{begin}, {end}) do not hold "
+                                  f"{tag} {list(shape)} ({nbytes} bytes)")
+        if end > data_size:
+            raise CheckpointError(f"{path}: truncated: tensor {key!r} ends at byte {end} of the data "
+                                  f"section but the file holds only {data_size}")
+        out[key] = TensorInfo(path, key, tag, shape)
+    return out
+
+
+class Checkpoint:
+    """The tensors of one model directory (single file, sharded index, or loose shards), read lazily."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = os.path.abspath(os.fspath(model_dir))
+        self.tensors: dict[str, TensorInfo] = {}
+        self.ignored: list[str] = []
+        for path in self._files():
+            for key, info in read_header(path).items():
+                name = canonical_name(key)
+                if name is None:
+                    self.ignored.append(key)
+                    continue
+                if name in self.tensors:
+                    other = self.tensors[name]
+                    raise CheckpointError(f"{path}: tensor {key!r} duplicates {other.key!r} in {other.file}")
+                self.tensors[name] = info
+        self._handles: dict[str, object] = {}
+        if self.ignored:
+            log.info("ignoring %d vision tensors in %s", len(self.ignored), self.dir)
+
+    def _files(self) -> list[str]:
+        index = os.path.join(self.dir, INDEX_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: cannot parse the shard index: {e}") from e
+            paths = [os.path.join(self.dir, f) for f in files]
+            for p in paths:
+                if not os.path.isfile(p):
+                    raise CheckpointError(f"{index}: names shard {os.path.basename(p)!r}, which is missing")
+            return paths
+        single = os.path.join(self.dir, SINGLE_FILE)
+        if os.path.isfile(single):
+            return [single]
+        loose = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors")) if os.path.isdir(
+            self.dir) else []
+        if not loose:
+            raise CheckpointError(f"{self.dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
+        return [os.path.join(self.dir, f) for f in loose]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
+             dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """One tensor, or a slice of its first (rows) and second (cols) axes, as a torch tensor."""
+        from safetensors import SafetensorError, safe_open
+
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is not in the checkpoint")
+        try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(info.file, framework="pt")
+            if rows is None and cols is None:
+                t = handle.get_tensor(info.key)
+            else:
+                sl = handle.get_slice(info.key)
+                index = (rows or slice(None),) + ((cols,) if cols is not None else ())
+                t = sl[index]
+        except SafetensorError as e:
+            raise CheckpointError(f"{info.file}: tensor {info.key!r}: {e}") from e
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t.to(device) if str(device) != "cpu" else t
+
+
+# --------------------------------------------------------------------------------------------------
+# What a spec implies
+
+
+def expected_shapes(spec: ModelSpec, fused_experts: bool = True,
+                    include_mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor name -> shape for a checkpoint of `spec` (experts fused or per expert)."""
+    E = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, E), "norm.weight": (E,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, E)
+    for i, kind in enumerate(spec.layer_types):
+        p = f"layers.{i}."
+        if kind == FULL_ATTENTION:
+            out.update(_attention_shapes(spec, p))
+        else:
+            out.update({
+                p + "linear_attn.in_proj_qkv.weight": (spec.conv_dim, E),
+                p + "linear_attn.in_proj_z.weight": (spec.linear_value_dim, E),
+                p + "linear_attn.in_proj_b.weight": (spec.linear_num_value_heads, E),
+                p + "linear_attn.in_proj_a.weight": (spec.linear_num_value_heads, E),
+                p + "linear_attn.conv1d.weight": (spec.conv_dim, 1, spec.conv_kernel),
+                p + "linear_attn.A_log": (spec.linear_num_value_heads,),
+                p + "linear_attn.dt_bias": (spec.linear_num_value_heads,),
+                p + "linear_attn.norm.weight": (spec.linear_value_head_dim,),
+                p + "linear_attn.out_proj.weight": (E, spec.linear_value_dim),
+            })
+        out.update(_ffn_shapes(spec, p, fused_experts))
+    if include_mtp and spec.mtp_num_layers:
+        out.update({
+            "mtp.fc.weight": (E, 2 * E),
+            "mtp.pre_fc_norm_embedding.weight": (E,),
+            "mtp.pre_fc_norm_hidden.weight": (E,),
+            "mtp.norm.weight": (E,),
+        })
+        for j in range(spec.mtp_num_layers):
+            p = f"mtp.layers.{j}."
+            out.update(_attention_shapes(spec, p))
+            out.update(_ffn_shapes(spec, p, fused_experts))
+    return out
+
+
+def _attention_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
+    E = spec.hidden_size
+    return {
+        p + "self_attn.q_proj.weight": (2 * spec.q_width, E),
+        p + "self_attn.k_proj.weight": (spec.kv_width, E),
+        p + "self_attn.v_proj.weight": (spec.kv_width, E),
+        p + "self_attn.o_proj.weight": (E, spec.q_width),
+        p + "self_attn.q_norm.weight": (spec.head_dim,),
+        p + "self_attn.k_norm.weight": (spec.head_dim,),
+    }
+
+
+def _ffn_shapes(spec: ModelSpec, p: str, fused: bool) -> dict[str, tuple[int, ...]]:
+    E = spec.hidden_size
+    out = {p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,)}
+    if not spec.is_moe:
+        I = spec.intermediate_size
+        out.update({p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E),
+                    p + "mlp.down_proj.weight": (E, I)})
+        return out
+    X, I, S = spec.num_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+    out[p + "mlp.gate.weight"] = (X, E)
+    if fused:
+        out[p + "mlp.experts.gate_up_proj"] = (X, 2 * I, E)
+        out[p + "mlp.experts.down_proj"] = (X, E, I)
+    else:
+        for e in range(X):
+            q = f"{p}mlp.experts.{e}."
+            out.update({q + "gate_proj.weight": (I, E), q + "up_proj.weight": (I, E), q + "down_proj.weight": (E, I)})
+    if S:
+        out.update({p + "mlp.shared_expert.gate_proj.weight": (S, E), p + "mlp.shared_expert.up_proj.weight": (S, E),
+                    p + "mlp.shared_expert.down_proj.weight": (E, S), p + "mlp.shared_expert_gate.weight": (1, E)})
+    return out
+
+
+def _moe_prefixes(spec: ModelSpec, with_mtp: bool) -> list[str]:
+    if not spec.is_moe:
+        return []
+    ps = [f"layers.{i}.mlp.experts." for i in range(spec.num_layers)]
+    if with_mtp:
+        ps += [f"mtp.layers.{j}.mlp.experts." for j in range(spec.mtp_num_layers)]
+    return ps
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What validate() found: which experts are stored per expert, whether MTP weights are present."""
+    has_mtp: bool
+    per_expert: frozenset[str]     # expert prefixes stored per expert (others are fused)
+
+
+def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
+    """Check names, shapes and dtypes of every tensor against `spec`; raise CheckpointError on the first
+    problem (naming the file and tensor), return the layout found."""
+    names = set(ckpt.tensors)
+    mtp_names = {n for n in names if n.startswith("mtp.")}
+    has_mtp = bool(spec.mtp_num_layers and mtp_names)
+    if spec.mtp_num_layers and not mtp_names:
+        log.warning("%s: config has mtp_num_hidden_layers=%d but the checkpoint has no mtp.* tensors "
+                    "(transformers' save_pretrained drops them); MTP speculation is unavailable",
+                    ckpt.dir, spec.mtp_num_layers)
+    if not spec.mtp_num_layers and mtp_names:
+        n = sorted(mtp_names)[0]
+        raise CheckpointError(f"{ckpt.tensors[n].file}: tensor {ckpt.tensors[n].key!r} is an MTP weight but "
+                              f"{spec.source} sets no mtp_num_hidden_layers")
+    expected = expected_shapes(spec, fused_experts=True, include_mtp=has_mtp)
+    per_expert: set[str] = set()
+    for prefix in _moe_prefixes(spec, has_mtp):
+        if any(n.startswith(prefix) and n[len(prefix)].isdigit() for n in names):
+            per_expert.add(prefix)
+            layer_p = prefix[: -len("mlp.experts.")]
+            del expected[prefix + "gate_up_proj"], expected[prefix + "down_proj"]
+            for name, shape in _ffn_shapes(spec, layer_p, fused=False).items():
+                if name.startswith(prefix):
+                    expected[name] = shape
+    if spec.tie_word_embeddings and "lm_head.weight" in names:
+        expected["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)   # accepted, not used
+
+    missing = sorted(set(expected) - names)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{ckpt.dir}: tensor {missing[0]!r} is missing{more}; the config "
+                              f"({spec.source}) implies it")
+    extra = sorted(names - set(expected))
+    if extra:
+        info = ckpt.tensors[extra[0]]
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"{info.file}: unexpected tensor {info.key!r}{more}: the config "
+                              f"({spec.source}) has no place for it")
+    for name in sorted(expected):
+        info = ckpt.tensors[name]
+        if info.shape != expected[name]:
+            raise CheckpointError(f"{info.file}: tensor {info.key!r} has shape {list(info.shape)} but the "
+                                  f"config ({spec.source}) implies {list(expected[name])}")
+        if info.dtype not in _FLOAT_TAGS:
+            raise CheckpointError(f"{info.file}: tensor {info.key!r} has dtype {info.dtype}; expected one of "
+                                  f"{', '.join(_FLOAT_TAGS)} (quantized checkpoints are not supported yet)")
+    return Layout(has_mtp=has_mtp, per_expert=frozenset(per_expert))
+
+
+def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Validate, then read every tensor in `dtype`; experts come back fused, tied lm_head omitted."""
+    layout = validate(ckpt, spec)
+    out: dict[str, torch.Tensor] = {}
+    for name in ckpt.tensors:
+        if name.startswith("mtp.") and not layout.has_mtp:
+            continue
+        if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if any(name.startswith(p) for p in layout.per_expert):
+            continue
+        out[name] = ckpt.read(name, dtype=dtype, device=device)
+    for prefix in layout.per_expert:
+        X = spec.num_experts
+        gate_up = [torch.cat([ckpt.read(f"{prefix}{e}.gate_proj.weight", dtype=dtype),
+                              ckpt.read(f"{prefix}{e}.up_proj.weight", dtype=dtype)]) for e in range(X)]
+        down = [ckpt.read(f"{prefix}{e}.down_proj.weight", dtype=dtype) for e in range(X)]
+        out[prefix + "gate_up_proj"] = torch.stack(gate_up).to(device)
+        out[prefix + "down_proj"] = torch.stack(down).to(device)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_checkpoint(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
+                     prefix: str = "model.language_model.", max_shard_bytes: int = 4 * 2**30,
+                     split_experts: bool = False) -> list[str]:
+    """Write canonical-named tensors as HF safetensors (one file, or shards plus an index).
+
+    `prefix` goes before text weights (not before ``lm_head.`` or ``mtp.``): ``model.language_model.``
+    is the official multimodal layout, ``model.`` the text-only one transformers' CausalLM writes.
+    With `split_experts`, fused expert tensors are written per expert.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    items = list(_disk_items(tensors, prefix, split_experts))
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, t in items:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, t))
+        size += nbytes
+    files = []
+    if len(shards) == 1:
+        files.append(SINGLE_FILE)
+        save_file({k: t.contiguous() for k, t in shards[0]}, os.path.join(out_dir, SINGLE_FILE),
+                  metadata={"format": "pt"})
+        return files
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        files.append(fname)
+        save_file({k: t.contiguous() for k, t in shard}, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        for k, t in shard:
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files
+
+
+def _disk_items(tensors: Mapping[str, torch.Tensor], prefix: str,
+                split_experts: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, t in tensors.items():
+        key = name if name.startswith(("lm_head.", "mtp.")) else prefix + name
+        if split_experts and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            base = key[: -len("gate_up_proj")] if name.endswith("gate_up_proj") else key[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    gate, up = t[e].chunk(2, dim=0)
+                    yield f"{base}{e}.gate_proj.weight", gate.clone()
+                    yield f"{base}{e}.up_proj.weight", up.clone()
+                else:
+                    yield f"{base}{e}.down_proj.weight", t[e].clone()
+            continue
+        yield key, t

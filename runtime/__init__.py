@@ -1,0 +1,1 @@
+"""tandem: the coordinator side (no GPU code, no torch on the hot path)."""

@@ -1,0 +1,1 @@
+"""tandem: the HTTP and ZeroMQ frontends and the command line."""

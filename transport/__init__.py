@@ -1,0 +1,1 @@
+"""tandem: messages between processes and the all-reduce transports."""
