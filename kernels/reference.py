@@ -17,6 +17,15 @@ import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
+
+def _acc(x: Tensor) -> Tensor:
+    """x in the accumulation dtype: fp32, or fp64 when x is fp64 (then the reference is a float64 oracle)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
 # --------------------------------------------------------------------------------------------------
 # Norms
 
@@ -26,9 +35,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
     x [..., E], weight [E] (stored ~0). Used for layer norms, the final norm, q/k norms, MTP norms.
     """
-    xf = x.float()
+    xf = _acc(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+    return (y * (1.0 + weight.to(xf.dtype))).to(x.dtype)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -36,10 +45,10 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
 
     x [..., DV], gate [..., DV], weight [DV] (stored ~1; no +1).
     """
-    xf = x.float()
+    xf = _acc(x)
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y
-    return (y * F.silu(gate.float())).to(x.dtype)
+    return (y * F.silu(_acc(gate))).to(x.dtype)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -57,9 +66,10 @@ def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.
     ``inv_freq_j = theta^(-2j/R)``, j < R/2, duplicated over both halves (NeoX layout). Text positions
     make the three M-RoPE rows equal, so M-RoPE reduces to this 1-D rotation.
     """
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device)
-                                .float() / rotary_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+                                .to(acc) / rotary_dim))
+    freqs = positions.to(acc)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -113,7 +123,7 @@ def moe_route(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     CUDA router must match this rule).
     """
     logits = F.linear(x, w_router)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(logits, dim=-1, dtype=_acc_dtype(logits))
     top, ids = torch.topk(probs, top_k, dim=-1)
     top = top / top.sum(-1, keepdim=True)
     return top.to(logits.dtype), ids
@@ -194,7 +204,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tenso
     scores = torch.einsum("thd,lhd->htl", q, k) * scale              # [H, T, L]
     visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=_acc_dtype(q)).to(q.dtype)
     return torch.einsum("htl,lhd->thd", probs, v)
 
 
@@ -228,15 +238,15 @@ def causal_conv1d_update(x: Tensor, weight: Tensor, state: Tensor) -> tuple[Tens
 def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """Per column and value head: decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, log space)
     and write strength ``beta = sigmoid(b)``. a, b [N, HV] -> g [N, HV] fp32, beta [N, HV]."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    g = -_acc(A_log).exp() * F.softplus(_acc(a) + _acc(dt_bias))
     return g, torch.sigmoid(b)
 
 
 def gdn_prepare_qk(q: Tensor, k: Tensor, ratio: int) -> tuple[Tensor, Tensor]:
     """L2-normalise q/k [T, HK, DK] in fp32, scale q by DK^-0.5, expand to value heads [T, HV, DK]
     (value head h reads key head h // ratio)."""
-    q = l2norm(q.float()) * (q.shape[-1] ** -0.5)
-    k = l2norm(k.float())
+    q = l2norm(_acc(q)) * (q.shape[-1] ** -0.5)
+    k = l2norm(_acc(k))
     return q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
 
 
@@ -253,9 +263,10 @@ def gated_delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     """
     T, HV, DK = k.shape
     DV = v.shape[-1]
-    S = torch.zeros(HV, DK, DV, dtype=torch.float32, device=v.device) if state is None else state.float()
-    q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
-    out = torch.empty(T, HV, DV, dtype=torch.float32, device=v.device)
+    acc = _acc_dtype(v)
+    S = torch.zeros(HV, DK, DV, dtype=acc, device=v.device) if state is None else state.to(acc)
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    out = torch.empty(T, HV, DV, dtype=acc, device=v.device)
     for t in range(T):
         S = S * g[t].exp()[:, None, None]
         u = torch.einsum("hk,hkv->hv", k[t], S)
@@ -277,12 +288,13 @@ def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     """
     T, HV, DK = k.shape
     DV = v.shape[-1]
-    S = torch.zeros(HV, DK, DV, dtype=torch.float32, device=v.device) if state is None else state.float()
+    acc = _acc_dtype(v)
+    S = torch.zeros(HV, DK, DV, dtype=acc, device=v.device) if state is None else state.to(acc)
     chunk = min(chunk, T)                          # a short block needs no padding to 64
     pad = (-T) % chunk
 
     def heads_first(x: Tensor) -> Tensor:                                # [T, HV, ..] -> [HV, n, chunk, ..]
-        x = F.pad(x.float(), (0, 0) * (x.dim() - 1) + (0, pad))
+        x = F.pad(x.to(acc), (0, 0) * (x.dim() - 1) + (0, pad))
         return x.transpose(0, 1).reshape(HV, -1, chunk, *x.shape[2:])
 
     q, k, v, g, beta = (heads_first(x) for x in (q, k, v, g, beta))
@@ -292,14 +304,14 @@ def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     D = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # [HV, n, c, c]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)
-    eye = torch.eye(chunk, dtype=torch.float32, device=v.device)
+    eye = torch.eye(chunk, dtype=acc, device=v.device)
     U = torch.linalg.solve_triangular(eye + A, v * beta[..., None], upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(eye + A, kb * G.exp()[..., None], upper=False, unitriangular=True)
     qk = q @ k.transpose(-1, -2) * D                                    # diagonal included
     q_dec = q * G.exp()[..., None]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]
     last = G[..., -1].exp()                                              # [HV, n]
-    out = torch.empty(HV, n, chunk, DV, dtype=torch.float32, device=v.device)
+    out = torch.empty(HV, n, chunk, DV, dtype=acc, device=v.device)
     for i in range(n):
         v_new = U[:, i] - W[:, i] @ S
         out[:, i] = q_dec[:, i] @ S + qk[:, i] @ v_new

@@ -103,8 +103,9 @@ class HybridModel:
         return cls(spec, weights)
 
     def new_state(self, num_slots: int, num_pages: int) -> ModelState:
+        state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ModelState(self.spec, num_slots, num_pages, self.dtype, self.device, tp=self.tp,
-                          with_mtp=self.has_mtp)
+                          with_mtp=self.has_mtp, state_dtype=state_dtype)
 
     # ----------------------------------------------------------------------------------------------
     # Forward passes

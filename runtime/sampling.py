@@ -1,0 +1,40 @@
+"""SamplingParams: what a request asks of the sampler, validated at the boundary.
+
+The maths runs on the ranks (kernels.reference.sample and its CUDA twin); this module only holds
+and checks the numbers, so the frontend and the coordinator can refuse bad values early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy (argmax, ties to the lower token id)."""
+    temperature: float = 1.0
+    top_k: int = 0                 # 0 = off
+    top_p: float = 1.0             # 1 = off
+    min_p: float = 0.0             # 0 = off
+    seed: int | None = None
+    max_new_tokens: int = 256
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
+               self.max_new_tokens, "an integer >= 1")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

@@ -1,0 +1,142 @@
+"""The ``tandem`` command: one entry point, one subcommand per job.
+
+    tandem generate [MODEL_DIR] --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] ...
+
+With no MODEL_DIR the embedded default model is used. Exit status: 0 on success, 2 for bad
+arguments or an unloadable model (the message names the flag, file or field), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+log = logging.getLogger("tandem")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Serve Qwen3.5/3.6 hybrid models.")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a continuation of one prompt in this process")
+    g.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face model directory (default: the embedded demo model)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    src.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: generation_config.json, else 1.0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    g.add_argument("--print-token-ids", action="store_true", help="also print the generated token ids")
+    g.add_argument("--device", default="cpu", help="torch device for the reference backend (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="activation and weight dtype (default float32)")
+    g.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prefill columns per step")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ranks.demo import default_model_dir
+    from ranks.local import LocalGenerator
+    from ranks.weights import CheckpointError
+    from runtime.config import ConfigError
+    from runtime.sampling import SamplingParams
+    from runtime.tokenizer import Tokenizer, TokenizerError, generation_defaults
+
+    model_dir = args.model_dir or default_model_dir()
+    if args.device != "cpu":
+        try:
+            torch.empty(0, device=args.device)
+        except (RuntimeError, AssertionError) as e:
+            print(f"tandem generate: --device {args.device}: not usable here: {e}", file=sys.stderr)
+            return 2
+    tokenizer = None
+    try:
+        if args.prompt is not None or not args.print_token_ids:
+            tokenizer = Tokenizer.from_dir(model_dir)
+    except TokenizerError as e:
+        if args.prompt is not None:
+            print(f"tandem generate: --prompt needs a tokenizer: {e}", file=sys.stderr)
+            return 2
+        args.print_token_ids = True
+    defaults = generation_defaults(model_dir)
+    temperature = 0.0 if args.greedy else (args.temperature if args.temperature is not None
+                                           else defaults.get("temperature", 1.0))
+    try:
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=args.top_k if args.top_k is not None else int(defaults.get("top_k", 0) or 0),
+            top_p=args.top_p if args.top_p is not None else float(defaults.get("top_p", 1.0) or 1.0),
+            min_p=args.min_p if args.min_p is not None else 0.0,
+            seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        print(f"tandem generate: --{str(e).split(' ')[0].replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
+    try:
+        gen = LocalGenerator.from_dir(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
+                                      prefill_chunk=args.prefill_chunk)
+    except (ConfigError, CheckpointError) as e:
+        print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
+    prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
+    eos = set(gen.model.spec.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set()) | set(
+        defaults.get("eos_token_ids", ()))
+    decoder = tokenizer.incremental_decoder() if tokenizer else None
+    out_ids: list[int] = []
+    try:
+        for token in gen.generate(prompt_ids, params, eos):
+            out_ids.append(token)
+            if decoder is not None:
+                sys.stdout.write(decoder.add(token))
+                sys.stdout.flush()
+    except ValueError as e:
+        print(f"\ntandem generate: {e}", file=sys.stderr)
+        return 2
+    if decoder is not None:
+        sys.stdout.write(decoder.flush() + "\n")
+    if args.print_token_ids:
+        print(",".join(map(str, out_ids)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Shared test fixtures: a per-run random seed (fresh inputs every run, reproducible on demand)."""
+
+import os
+import random
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# One base seed per session: fresh by default, fixed with TANDEM_TEST_SEED=<int> to replay a failure.
+BASE_SEED = int(os.environ.get("TANDEM_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"tandem test seed: {BASE_SEED} (replay with TANDEM_TEST_SEED={BASE_SEED})"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: long-running CPU test")
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed that differs per test and per run, derived from the session seed and the test id."""
+    import zlib
+    return (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
