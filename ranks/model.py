@@ -85,7 +85,8 @@ class HybridModel:
         self.all_reduce = all_reduce or (lambda t: t)
         emb = weights["embed_tokens.weight"]
         self.dtype, self.device = emb.dtype, emb.device
-        self.head = weights["embed_tokens.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
+        # the vocabulary shard of the head (tp > 1 loads the tied embedding's rows as lm_head.weight)
+        self.head = weights.get("lm_head.weight", emb)
         self.has_mtp = "mtp.fc.weight" in weights
         self.attn_index = {i: j for j, i in enumerate(spec.full_attention_layers)}
         self.gdn_index = {i: j for j, i in enumerate(spec.linear_attention_layers)}

@@ -1,0 +1,127 @@
+"""Tensor-parallel split of the checkpoint: which slice of each tensor rank r of N holds.
+
+Column-parallel (output rows split, by head): attention q_proj (per head [q | gate]), k_proj,
+v_proj; GDN in_proj_qkv (its q, k and v sections each split separately), conv1d (same channels),
+in_proj_z, in_proj_b, in_proj_a, A_log, dt_bias (by value head); MLP / shared-expert gate and up;
+each expert's gate and up rows. Row-parallel (input columns split; their outputs are summed by the
+all-reduce): o_proj, out_proj, down_proj (and each expert's down). Vocabulary-parallel: lm_head
+(the tied embedding's rows when tied). Replicated: embedding, norms, router, shared_expert_gate,
+mtp.fc. Value head h of a GDN layer reads key head h // (HV / HK), so with contiguous splits the
+value heads of rank r use exactly the key heads of rank r.
+
+Each rank reads only its slices from the safetensors files (Checkpoint.read with an index).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ranks.weights import Checkpoint, Layout, validate
+from runtime.config import ModelSpec
+
+
+class ShardError(ValueError):
+    """A tensor-parallel degree the model cannot be split into; the message names the numbers."""
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """Refuse a tp that does not divide every split dimension."""
+    if tp < 1:
+        raise ShardError(f"tp must be >= 1, got {tp}")
+    dims = {
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "linear_num_key_heads": spec.linear_num_key_heads, "linear_num_value_heads": spec.linear_num_value_heads,
+        "vocab_size": spec.vocab_size,
+    }
+    if spec.is_moe:
+        dims["moe_intermediate_size"] = spec.moe_intermediate_size
+        if spec.shared_expert_intermediate_size:
+            dims["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
+    else:
+        dims["intermediate_size"] = spec.intermediate_size
+    for name, value in dims.items():
+        if value % tp:
+            raise ShardError(f"tp {tp} does not divide {name} = {value} ({spec.source}); "
+                             f"choose a tp that divides every head count and width")
+
+
+def _part(n: int, rank: int, tp: int, offset: int = 0) -> slice:
+    size = n // tp
+    return slice(offset + rank * size, offset + (rank + 1) * size)
+
+
+def load_shard(ckpt: Checkpoint, spec: ModelSpec, rank: int, tp: int, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", layout: Layout | None = None) -> dict[str, torch.Tensor]:
+    """Validate the checkpoint, then read rank `rank`'s slices of every tensor (experts fused).
+
+    Names are canonical; ``lm_head.weight`` is always present (the tied embedding's rows when tied).
+    With tp == 1 this equals ranks.weights.load_weights plus the head.
+    """
+    check_tp(spec, tp)
+    if not 0 <= rank < tp:
+        raise ShardError(f"rank {rank} outside [0, {tp})")
+    layout = layout or validate(ckpt, spec)
+    out: dict[str, torch.Tensor] = {}
+
+    def read(name: str, *index: slice) -> torch.Tensor:
+        return ckpt.read(name, index=index or None, dtype=dtype)
+
+    kd, vd = spec.linear_key_dim, spec.linear_value_dim
+    every = slice(None)
+
+    def col(n: int, offset: int = 0) -> slice:      # this rank's part of an output (row) axis
+        return _part(n, rank, tp, offset)
+
+    for name in sorted(ckpt.tensors):
+        if name.startswith("mtp.") and not layout.has_mtp:
+            continue
+        if any(name.startswith(p) for p in layout.per_expert):
+            continue
+        leaf = name.rsplit(".", 2)
+        key = ".".join(leaf[-2:]) if len(leaf) >= 2 else name
+        if name == "lm_head.weight":
+            if spec.tie_word_embeddings:
+                continue
+            t = read(name, col(spec.vocab_size))
+        elif key in ("q_proj.weight",):
+            t = read(name, col(2 * spec.q_width))
+        elif key in ("k_proj.weight", "v_proj.weight"):
+            t = read(name, col(spec.kv_width))
+        elif key == "o_proj.weight":
+            t = read(name, every, col(spec.q_width))
+        elif key in ("in_proj_qkv.weight", "conv1d.weight"):
+            t = torch.cat([read(name, col(kd)), read(name, col(kd, kd)), read(name, col(vd, 2 * kd))])
+        elif key == "in_proj_z.weight":
+            t = read(name, col(vd))
+        elif key in ("in_proj_b.weight", "in_proj_a.weight") or name.endswith(("linear_attn.A_log",
+                                                                                "linear_attn.dt_bias")):
+            t = read(name, col(spec.linear_num_value_heads))
+        elif key == "out_proj.weight":
+            t = read(name, every, col(vd))
+        elif key in ("gate_proj.weight", "up_proj.weight"):
+            width = spec.shared_expert_intermediate_size if "shared_expert" in name else spec.intermediate_size
+            t = read(name, col(width))
+        elif key == "down_proj.weight":
+            width = spec.shared_expert_intermediate_size if "shared_expert" in name else spec.intermediate_size
+            t = read(name, every, col(width))
+        elif name.endswith("experts.gate_up_proj"):
+            I = spec.moe_intermediate_size
+            t = torch.cat([read(name, every, col(I)), read(name, every, col(I, I))], dim=1)
+        elif name.endswith("experts.down_proj"):
+            t = read(name, every, every, col(spec.moe_intermediate_size))
+        else:                                         # norms, embedding, router, gates, mtp.fc
+            t = read(name)
+        out[name] = t.to(device)
+
+    I = spec.moe_intermediate_size
+    for prefix in layout.per_expert:                 # per-expert files: read each expert's slices
+        gate_up, down = [], []
+        for e in range(spec.num_experts):
+            gate_up.append(torch.cat([read(f"{prefix}{e}.gate_proj.weight", col(I)),
+                                      read(f"{prefix}{e}.up_proj.weight", col(I))]))
+            down.append(read(f"{prefix}{e}.down_proj.weight", every, col(I)))
+        out[prefix + "gate_up_proj"] = torch.stack(gate_up).to(device)
+        out[prefix + "down_proj"] = torch.stack(down).to(device)
+    if spec.tie_word_embeddings:
+        out["lm_head.weight"] = read("embed_tokens.weight", col(spec.vocab_size)).to(device)
+    return out

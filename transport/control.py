@@ -1,0 +1,205 @@
+"""Messages between processes, defined once: typed records, msgpack on ZeroMQ.
+
+Wire format: frame 0 is one byte (the message kind), frame 1 the msgpack body of the record's
+fields, and any further frames are raw arrays (int32 / float32 numpy buffers) that the record names
+in its body as ``{"__array__": i, "dtype": ..., "shape": ...}``, so large tables never go through
+msgpack. Every Hello carries PROTOCOL_VERSION; a mismatch is refused at the handshake.
+
+Records:
+  Hello       coordinator -> rank   what to load and where to connect
+  Ready       rank -> coordinator   shard shapes, memory, capacities (or the reason it failed)
+  StepPlan    coordinator -> ranks  one step: per sequence its columns, positions, slot, pages
+  StepResult  rank 0 -> coordinator sampled tokens (per sequence), timings
+  Cancel      coordinator -> ranks  forget sequences' sampler state between steps
+  Heartbeat   rank -> coordinator   liveness, every HEARTBEAT_S
+  Shutdown    coordinator -> ranks  exit cleanly
+  Error       rank -> coordinator   the step id and the reason, sent before a rank exits on failure
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+HEARTBEAT_S = 0.25
+
+
+class ProtocolError(RuntimeError):
+    """A malformed or unexpected message (version mismatch, unknown kind, bad frames)."""
+
+
+_REGISTRY: dict[int, type["Message"]] = {}
+
+
+class Message:
+    """Base of all records: dataclass fields go to msgpack, numpy arrays to their own frames."""
+    KIND: ClassVar[int]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.KIND in _REGISTRY:
+            raise TypeError(f"message kind {cls.KIND} used twice ({_REGISTRY[cls.KIND].__name__}, {cls.__name__})")
+        _REGISTRY[cls.KIND] = cls
+
+    def to_frames(self) -> list[bytes]:
+        arrays: list[np.ndarray] = []
+
+        def enc(v: Any) -> Any:
+            if isinstance(v, np.ndarray):
+                arrays.append(np.ascontiguousarray(v))
+                return {"__array__": len(arrays) - 1, "dtype": v.dtype.str, "shape": list(v.shape)}
+            if isinstance(v, (list, tuple)):
+                return [enc(x) for x in v]
+            if isinstance(v, dict):
+                return {k: enc(x) for k, x in v.items()}
+            if isinstance(v, (np.integer, np.floating)):
+                return v.item()
+            return v
+
+        body = {f.name: enc(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return [bytes([self.KIND]), msgpack.packb(body, use_bin_type=True)] + [a.data for a in arrays]
+
+    @staticmethod
+    def from_frames(frames: list[bytes]) -> "Message":
+        if len(frames) < 2 or len(frames[0]) != 1:
+            raise ProtocolError(f"expected [kind, body, arrays...], got {len(frames)} frames")
+        cls = _REGISTRY.get(frames[0][0])
+        if cls is None:
+            raise ProtocolError(f"unknown message kind {frames[0][0]}")
+        arrays = frames[2:]
+
+        def dec(v: Any) -> Any:
+            if isinstance(v, dict):
+                if "__array__" in v:
+                    buf = arrays[v["__array__"]]
+                    return np.frombuffer(buf, dtype=np.dtype(v["dtype"])).reshape(v["shape"]).copy()
+                return {k: dec(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [dec(x) for x in v]
+            return v
+
+        try:
+            body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+            return cls(**{k: dec(v) for k, v in body.items()})
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as e:
+            raise ProtocolError(f"cannot decode {cls.__name__}: {e}") from e
+
+
+@dataclass
+class Hello(Message):
+    KIND: ClassVar[int] = 1
+    rank: int
+    tp: int
+    model_dir: str
+    device: str
+    dtype: str
+    num_slots: int
+    num_pages: int
+    mailbox: str                      # shared-memory segment name
+    mailbox_words: int                # payload capacity per slot, in 8-byte words
+    version: int = PROTOCOL_VERSION
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Ready(Message):
+    KIND: ClassVar[int] = 2
+    rank: int
+    ok: bool
+    error: str = ""
+    pid: int = 0
+    shard: dict = field(default_factory=dict)     # name -> shape of a few representative tensors
+    weight_bytes: int = 0
+    state_bytes: int = 0
+    has_mtp: bool = False
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass
+class SeqSampling:
+    """Sampling parameters of one sequence as the ranks apply them (inside StepPlan.new_sampling)."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class StepPlan(Message):
+    """One step for all ranks. Arrays are int32 and flat; sequence b owns rows of the per-sequence
+    arrays and columns [col_start[b], col_start[b] + columns[b]) of token_ids.
+
+    seq_ids      [B] request ids (int64)       columns    [B] input columns
+    starts       [B] first column's position   slots      [B] GDN state slot
+    page_tables  [B, P] KV page ids            token_ids  [N] input tokens
+    sample       [B] 1 when the step samples a token for the sequence (its last column is the last
+                 known token), 0 for a prefill chunk that ends before the prompt does
+    new_sampling {seq_id: SeqSampling fields} for sequences admitted this step
+    finished     seq ids whose sampler state the ranks may drop
+    """
+    KIND: ClassVar[int] = 4
+    step: int
+    seq_ids: np.ndarray
+    columns: np.ndarray
+    starts: np.ndarray
+    slots: np.ndarray
+    page_tables: np.ndarray
+    token_ids: np.ndarray
+    sample: np.ndarray
+    new_sampling: dict = field(default_factory=dict)
+    prompt_tokens: dict = field(default_factory=dict)   # seq_id -> int32 array of prompt ids (penalties)
+    finished: list = field(default_factory=list)
+
+
+@dataclass
+class StepResult(Message):
+    KIND: ClassVar[int] = 5
+    step: int
+    seq_ids: np.ndarray          # [S] sequences that sampled this step
+    tokens: np.ndarray           # [S] sampled ids
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class Cancel(Message):
+    """Sequences the ranks may forget now (their slots and pages are reused by later plans)."""
+    KIND: ClassVar[int] = 3
+    seq_ids: list
+
+
+@dataclass
+class Heartbeat(Message):
+    KIND: ClassVar[int] = 6
+    rank: int
+    step: int = -1
+
+
+@dataclass
+class Shutdown(Message):
+    KIND: ClassVar[int] = 7
+    reason: str = ""
+
+
+@dataclass
+class Error(Message):
+    KIND: ClassVar[int] = 8
+    rank: int
+    step: int
+    reason: str
+
+
+def send(sock, msg: Message, flags: int = 0) -> None:
+    sock.send_multipart(msg.to_frames(), flags=flags, copy=False)
+
+
+def recv(sock, flags: int = 0) -> Message:
+    return Message.from_frames([bytes(f) for f in sock.recv_multipart(flags=flags)])
