@@ -1,10 +1,10 @@
-"""Per-rank decode state: paged KV pools for attention layers, GDN state slots, and a page allocator.
+"""Per-rank decode state: paged KV pools for attention layers and GDN state slots.
 
 Slots and pages are indices. A sequence owns one state slot (for every GDN layer: the conv window
 of the last K-1 pre-conv inputs and the fp32 recurrent state) and a page table of int32 page ids
 into one pool of PAGE_SIZE-token pages per attention layer (the MTP layer has its own pool, indexed
-by the same page table). Ranks never decide bookkeeping: whoever plans the step hands them slot ids
-and page tables, and they apply them.
+by the same page table). Ranks never decide bookkeeping: the coordinator's scheduler allocates slots
+and pages and hands them over in each StepPlan; the ranks apply them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config import ModelSpec
+from runtime.config import PAGE_SIZE, ModelSpec
 
-PAGE_SIZE = 64
+__all__ = ["PAGE_SIZE", "ModelState", "StateShapes"]
 
 
 @dataclass
@@ -65,30 +65,3 @@ class ModelState:
     def nbytes(self) -> int:
         ts = self.k + self.v + self.conv + self.recurrent + [t for t in (self.mtp_k, self.mtp_v) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
-
-
-class PageAllocator:
-    """Free lists of page ids and slot ids (pure bookkeeping; no tensors)."""
-
-    def __init__(self, num_pages: int, num_slots: int):
-        self.free_pages = list(range(num_pages - 1, -1, -1))
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-
-    def take_slot(self) -> int:
-        if not self.free_slots:
-            raise MemoryError("no free state slot")
-        return self.free_slots.pop()
-
-    def grow(self, table: list[int], length: int) -> None:
-        """Append pages to `table` until it covers `length` tokens."""
-        need = -(-length // PAGE_SIZE) - len(table)
-        if need > len(self.free_pages):
-            raise MemoryError(f"need {need} more KV pages for {length} tokens, {len(self.free_pages)} free")
-        for _ in range(max(need, 0)):
-            table.append(self.free_pages.pop())
-
-    def release(self, table: list[int], slot: int | None) -> None:
-        self.free_pages.extend(reversed(table))
-        table.clear()
-        if slot is not None:
-            self.free_slots.append(slot)

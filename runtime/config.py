@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
+PAGE_SIZE = 64          # tokens per KV page: shared by the coordinator's bookkeeping and the ranks' pools
 
 _WRAPPER_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -147,10 +148,18 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
                               f"{model_type!r}, got {text!r}")
         text = dict(text)
         text.setdefault("model_type", _WRAPPER_TYPES[model_type])
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if key not in text and key in raw:
+        # transformers serialises every text_config field, unset ones as null: null counts as absent
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "torch_dtype"):
+            if text.get(key) is None and raw.get(key) is not None:
                 text[key] = raw[key]
-        if "tie_word_embeddings" not in text and top_tie is not None:
+        # The wrapper's own tie_word_embeddings is what Qwen3_5ForConditionalGeneration ties by (transformers
+        # writes a tied wrapper as top-level true with text_config false), so it wins when present.
+        if top_tie is not None:
+            if not isinstance(top_tie, bool):
+                raise ConfigError(f"{source}: field 'tie_word_embeddings' must be bool, got {top_tie!r}")
+            if text.get("tie_word_embeddings") not in (None, top_tie):
+                log.info("%s: top-level tie_word_embeddings=%r overrides text_config's %r", source, top_tie,
+                         text["tie_word_embeddings"])
             text["tie_word_embeddings"] = top_tie
         if "quantization_config" in raw and "quantization_config" not in text:
             text["quantization_config"] = raw["quantization_config"]
@@ -245,11 +254,12 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
     if dtype not in _SUPPORTED_DTYPES:
         raise ConfigError(f"{r.source}: field '{r.prefix}dtype' is {dtype!r}; allowed: {', '.join(_SUPPORTED_DTYPES)}")
     eos = r.raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     vocab = r.get("vocab_size", int, minimum=1)
     for t in eos_ids:
-        if not isinstance(t, int) or not 0 <= t < vocab:
-            raise ConfigError(f"{r.source}: field '{r.prefix}eos_token_id' has {t!r}, outside [0, {vocab})")
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise ConfigError(f"{r.source}: field '{r.prefix}eos_token_id' is {eos!r}; expected a token id "
+                              f"(or a list of ids) in [0, {vocab})")
     mtp = r.get("mtp_num_hidden_layers", int, minimum=0, default=0)
     if mtp > 1:
         raise ConfigError(f"{r.source}: field '{r.prefix}mtp_num_hidden_layers' is {mtp}; at most 1 is supported")
@@ -286,23 +296,32 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
 
 def _rope(r: "_Reader", head_dim: int) -> tuple[int, float]:
     """Rotary dimension and theta from rope_parameters (or the legacy rope_theta / rope_scaling keys)."""
-    params = r.raw.get("rope_parameters")
+    key = "rope_parameters"
+    params = r.raw.get(key)
     if params is None:
-        params = r.raw.get("rope_scaling") or {}
+        key = "rope_scaling"     # legacy name
+        params = r.raw.get(key) or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{r.source}: field '{r.prefix}rope_parameters' must be an object, got {params!r}")
+        raise ConfigError(f"{r.source}: field '{r.prefix}{key}' must be an object, got {params!r}")
+
+    def pick(name: str, default: Any) -> tuple[str, Any]:
+        """(field name as written in the file, value): inside the rope dict, else top level, else default."""
+        if name in params:
+            return f"{r.prefix}{key}.{name}", params[name]
+        if name in r.raw:
+            return f"{r.prefix}{name}", r.raw[name]
+        return f"{r.prefix}{key}.{name}", default
+
+    type_field = f"{r.prefix}{key}." + ("type" if "type" in params and "rope_type" not in params else "rope_type")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"{r.source}: field '{r.prefix}rope_parameters.rope_type' is {rope_type!r}; "
-                          "only 'default' is supported")
-    theta = params.get("rope_theta", r.raw.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", r.raw.get("partial_rotary_factor", 0.25))
+        raise ConfigError(f"{r.source}: field '{type_field}' is {rope_type!r}; only 'default' is supported")
+    theta_field, theta = pick("rope_theta", 10000.0)
+    factor_field, factor = pick("partial_rotary_factor", 0.25)
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"{r.source}: field '{r.prefix}rope_parameters.rope_theta' is {theta!r}; "
-                          "expected a positive number")
+        raise ConfigError(f"{r.source}: field '{theta_field}' is {theta!r}; expected a positive number")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
-        raise ConfigError(f"{r.source}: field '{r.prefix}rope_parameters.partial_rotary_factor' is {factor!r}; "
-                          "expected a number in (0, 1]")
+        raise ConfigError(f"{r.source}: field '{factor_field}' is {factor!r}; expected a number in (0, 1]")
     rotary_dim = int(head_dim * factor)
     if rotary_dim < 2 or rotary_dim % 2:
         raise ConfigError(f"{r.source}: head_dim {head_dim} x partial_rotary_factor {factor} gives rotary "

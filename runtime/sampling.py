@@ -16,6 +16,9 @@ class SamplingParams:
     top_k: int = 0                 # 0 = off
     top_p: float = 1.0             # 1 = off
     min_p: float = 0.0             # 0 = off
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0 # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
     seed: int | None = None
     max_new_tokens: int = 256
     ignore_eos: bool = False
@@ -26,6 +29,9 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "in (0, 10]")
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
                self.max_new_tokens, "an integer >= 1")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")

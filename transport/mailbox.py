@@ -25,7 +25,6 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class Mailbox:
             out[:, at:at + piece.size] = self._exchange_piece(piece)
         return out
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: "torch.Tensor") -> "torch.Tensor":
         """Sum of `t` over ranks: float32 in rank order, one cast back to t's dtype."""
         if self.tp == 1:
             return t
@@ -95,10 +94,12 @@ class Mailbox:
         total = parts[0].copy()
         for r in range(1, self.tp):
             total += parts[r]
+        import torch
         return torch.from_numpy(total).view(t.shape).to(dtype=t.dtype, device=t.device)
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: "torch.Tensor") -> "torch.Tensor":
         """[tp, *t.shape] float32: every rank's tensor (exact; used for sampling candidates)."""
+        import torch
         return torch.from_numpy(self.exchange(t.detach().float().cpu().numpy())).view(self.tp, *t.shape)
 
     def barrier(self) -> None:

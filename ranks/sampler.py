@@ -1,0 +1,154 @@
+"""Sampling after the vocabulary-split head, on every rank, with rank 0's answer reported.
+
+Each rank holds logits for its vocabulary shard [S, V/N]. Every sampler is written as a Gumbel-max:
+``token = argmax_v (score_v + G_v)`` with ``score = log p`` of the filtered, tempered distribution
+and Gumbel noise G drawn from a generator keyed by (seed, position), never by batch composition,
+so the same seed and prompt give the same text whatever else is running. Greedy is the same argmax
+without noise. Where the score of a token depends only on its own logit (greedy, plain temperature,
+penalties), each rank takes the argmax over its shard and the ranks exchange one (value, index)
+candidate per row; top-k / top-p / min-p need the whole distribution, so those rows gather the
+logits first. Ties go to the lower token id.
+
+Penalties follow the common server semantics: repetition (divide positive logits, multiply
+negative ones) over prompt and output tokens; presence and frequency (subtract) over output tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+Tensor = torch.Tensor
+Gather = Callable[[Tensor], Tensor]          # [*shape] -> [N, *shape] (row r = rank r's tensor)
+
+PURPOSE_SAMPLE = 0
+
+
+@dataclass
+class SeqSampler:
+    """One sequence's sampling parameters and the token counts its penalties need."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    prompt_len: int = 0
+    seen: dict[int, int] = field(default_factory=dict)       # token -> count in prompt + output
+    output: dict[int, int] = field(default_factory=dict)     # token -> count in output
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def needs_full_distribution(self) -> bool:
+        return not self.greedy and (0 < self.top_k or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def observe(self, tokens: list[int], first_position: int) -> None:
+        """Count the input tokens of one step (positions from first_position on)."""
+        if not self.has_penalties:
+            return
+        for i, t in enumerate(tokens):
+            self.seen[t] = self.seen.get(t, 0) + 1
+            if first_position + i >= self.prompt_len:
+                self.output[t] = self.output.get(t, 0) + 1
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """Gumbel(0, 1) noise [vocab] keyed by (seed, position): the same on every rank and batch."""
+    key = hashlib.blake2b(f"{seed}:{position}:{PURPOSE_SAMPLE}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
+    """Penalised copy of one row of logits for the shard that starts at token id `offset`."""
+    if not s.has_penalties or not s.seen:
+        return logits
+    out = logits.clone()
+    n = out.shape[-1]
+    if s.repetition_penalty != 1.0:
+        ids = torch.tensor([t - offset for t in s.seen if offset <= t < offset + n], dtype=torch.long)
+        if ids.numel():
+            v = out[ids]
+            out[ids] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
+    if s.output and (s.presence_penalty or s.frequency_penalty):
+        pairs = [(t - offset, c) for t, c in s.output.items() if offset <= t < offset + n]
+        if pairs:
+            ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+            counts = torch.tensor([p[1] for p in pairs], dtype=out.dtype)
+            out[ids] -= s.presence_penalty + s.frequency_penalty * counts
+    return out
+
+
+def filtered_log_probs(logits: Tensor, s: SeqSampler) -> Tensor:
+    """log p of the tempered distribution after top-k, top-p and min-p (-inf outside). logits [V]."""
+    x = logits.double() / s.temperature
+    if 0 < s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    logp = torch.log_softmax(x, dim=-1)
+    if s.top_p < 1.0:
+        sorted_lp, order = torch.sort(logp, descending=True)
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()       # mass strictly before each token
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= s.top_p)
+        logp = logp.masked_fill(drop, float("-inf"))
+    if s.min_p > 0.0:
+        logp = logp.masked_fill(logp < logp.max() + torch.log(torch.tensor(s.min_p, dtype=logp.dtype)),
+                                float("-inf"))
+    return logp
+
+
+def _argmax_lowest(values: Tensor) -> int:
+    """Index of the maximum, ties to the lower index (torch.argmax returns the first maximum)."""
+    return int(torch.argmax(values))
+
+
+def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int], *, rank: int, tp: int,
+                gather: Gather, vocab: int) -> list[int]:
+    """One token per row. logits [S, V/N] (this rank's shard), positions [S] of the sampled token.
+
+    Collective: every rank must call it with the same rows in the same order.
+    """
+    S, n = logits.shape
+    offset = rank * n
+    tokens: list[int] = [0] * S
+    # 1) rows whose score is per-token: local candidate (value, global index), then one exchange
+    local = [i for i in range(S) if not samplers[i].needs_full_distribution]
+    if local:
+        cand = torch.empty(len(local), 2, dtype=torch.float32)
+        for j, i in enumerate(local):
+            s = samplers[i]
+            row = apply_penalties(logits[i].double(), s, offset)
+            if not s.greedy:
+                row = row / s.temperature + gumbel_noise(s.seed, positions[i], vocab)[offset:offset + n]
+            row = row.float()            # the exchange carries float32: decide on float32 at any tp
+            k = _argmax_lowest(row)
+            cand[j, 0], cand[j, 1] = row[k], offset + k
+        allc = gather(cand) if tp > 1 else cand[None]                 # [N, L, 2]
+        for j, i in enumerate(local):
+            vals, ids = allc[:, j, 0], allc[:, j, 1]
+            best = vals.max()
+            tokens[i] = int(ids[vals == best].min())
+    # 2) rows that need the whole distribution: gather the (penalised) logits
+    full = [i for i in range(S) if samplers[i].needs_full_distribution]
+    if full:
+        mine = torch.stack([apply_penalties(logits[i].double(), samplers[i], offset) for i in full]).float()
+        rows = gather(mine) if tp > 1 else mine[None]                  # [N, F, n]
+        rows = rows.permute(1, 0, 2).reshape(len(full), -1)             # [F, V]
+        for j, i in enumerate(full):
+            s = samplers[i]
+            score = filtered_log_probs(rows[j], s) + gumbel_noise(s.seed, positions[i], vocab)
+            tokens[i] = _argmax_lowest(score)
+    return tokens

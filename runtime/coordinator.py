@@ -1,0 +1,419 @@
+"""The coordinator: owns the rank processes and runs the step loop.
+
+    plan = scheduler.schedule(); send the StepPlan to every rank; scheduler.commit(plan, result)
+
+It starts N rank processes (``python -m ranks.worker``), hands each a Hello over a ZeroMQ ROUTER
+socket, and waits for every Ready. Then it loops: drain submissions and cancellations, plan a step,
+send it to all ranks, wait for rank 0's StepResult while watching every rank (process exit, Error
+message, heartbeat age), commit, stream events. A rank that fails ends every in-flight request with
+an error event at once, the engine turns unhealthy, the other ranks are stopped, and later
+submissions are refused; whoever owns the engine (``tandem serve``) then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zmq
+
+from runtime.config import PAGE_SIZE, load_spec
+from runtime.engine import EngineError, Event
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Overloaded, Scheduler, SchedulerConfig
+from runtime.sequence import Sequence, Status
+from transport import control as msg
+from transport.mailbox import create_segment
+
+log = logging.getLogger(__name__)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Coordinator:
+    def __init__(self, model_dir: str, *, tp: int, device: str, dtype: str, options):
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        self.model_dir, self.tp, self.device, self.dtype, self.options = model_dir, tp, device, dtype, options
+        self.spec = load_spec(model_dir)
+        self._check_tp()
+        max_context = options.max_context or min(self.spec.max_position_embeddings, 8192)
+        if max_context > self.spec.max_position_embeddings:
+            raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings "
+                             f"{self.spec.max_position_embeddings}")
+        kv_tokens = options.kv_capacity or options.max_concurrency * max_context
+        self.config = SchedulerConfig(
+            max_concurrency=options.max_concurrency, max_pending=options.max_pending,
+            pending_timeout_s=options.pending_timeout_s, prefill_chunk=options.prefill_chunk,
+            max_step_tokens=options.max_step_tokens, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context)
+        self.scheduler = Scheduler(self.config)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[int, object] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.procs: list[subprocess.Popen] = []
+        self.healthy = False
+        self.failure: str | None = None
+        self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generated_tokens=0,
+                             steps=0)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._tmp = tempfile.mkdtemp(prefix="tandem-")
+        self._addr = f"ipc://{self._tmp}/ctl"
+        self._ctx = zmq.Context()
+        self._sock = None
+        self._shm = None
+        self._last_beat: dict[int, float] = {}
+
+    def _check_tp(self) -> None:
+        # the same rule the ranks apply, checked here so a bad tp fails before any process starts
+        s, tp = self.spec, self.tp
+        dims = {"num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
+                "linear_num_key_heads": s.linear_num_key_heads, "linear_num_value_heads": s.linear_num_value_heads,
+                "vocab_size": s.vocab_size}
+        dims.update({"moe_intermediate_size": s.moe_intermediate_size} if s.is_moe else
+                    {"intermediate_size": s.intermediate_size})
+        if s.is_moe and s.shared_expert_intermediate_size:
+            dims["shared_expert_intermediate_size"] = s.shared_expert_intermediate_size
+        for name, value in dims.items():
+            if value % tp:
+                raise ValueError(f"tp {tp} does not divide {name} = {value} ({s.source}); choose a tp that "
+                                 "divides every head count and width")
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        try:
+            self._spawn()
+            self._handshake()
+        except BaseException:
+            self._teardown()
+            raise
+        self.healthy = True
+        self._thread = threading.Thread(target=self._loop, name="tandem-coordinator", daemon=True)
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.bind(self._addr)
+        max_payload = max(self.config.max_step_tokens * self.spec.hidden_size,
+                          2 * self.config.max_concurrency * self.spec.vocab_size // self.tp, 1024)
+        self.mailbox_words = min(max_payload, 1 << 22)
+        self._shm = create_segment(self.tp, self.mailbox_words)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        threads = self.options.threads_per_rank or max(1, (os.cpu_count() or 1) // self.tp)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        for r in range(self.tp):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ranks.worker", "--connect", self._addr, "--rank", str(r),
+                 "--log-level", self.options.log_level],
+                cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+        self._threads_per_rank = threads
+
+    def _handshake(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        alive, ready = set(), {}
+        while len(ready) < self.tp:
+            self._check_processes(starting=True)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.tp)) - set(ready))
+                raise RuntimeError(f"ranks {missing} did not report Ready within {self.options.startup_timeout_s:.0f} s")
+            if not self._sock.poll(50):
+                continue
+            ident, m = self._recv()
+            if isinstance(m, msg.Heartbeat):
+                self._last_beat[m.rank] = time.monotonic()
+                if ident == f"rank{m.rank}".encode() and m.rank not in alive:
+                    alive.add(m.rank)
+                    self._send(m.rank, msg.Hello(
+                        rank=m.rank, tp=self.tp, model_dir=self.model_dir, device=self.device, dtype=self.dtype,
+                        num_slots=self.config.max_concurrency, num_pages=self.config.kv_pages,
+                        mailbox=self._shm.name, mailbox_words=self.mailbox_words,
+                        options=dict(mailbox_timeout_s=self.options.mailbox_timeout_s,
+                                     threads_per_rank=self._threads_per_rank)))
+            elif isinstance(m, msg.Ready):
+                if not m.ok:
+                    raise RuntimeError(f"rank {m.rank} could not load {self.model_dir}: {m.error}")
+                ready[m.rank] = m
+            elif isinstance(m, msg.Error):
+                raise RuntimeError(f"rank {m.rank} failed while starting: {m.reason}")
+        self.ready = ready
+        self.has_mtp = all(r.has_mtp for r in ready.values())
+        log.info("%d rank(s) ready: %s", self.tp, {r: (m.pid, m.weight_bytes, m.state_bytes) for r, m in ready.items()})
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._stopping.is_set() and self._thread is None:
+            return
+        self.inbox.put(("shutdown", None))
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._thread = None
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._sock is not None:
+            for r in range(len(self.procs)):
+                try:
+                    self._send(r, msg.Shutdown(reason="engine shutdown"))
+                except (zmq.ZMQError, KeyError):
+                    pass
+        deadline = time.monotonic() + 3.0
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if not self._ctx.closed:
+            self._ctx.term()
+        if self._shm is not None:
+            self._shm.close()
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self._shm = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self.healthy = False
+
+    # ---- requests (any thread) ---------------------------------------------------------------------
+
+    def submit(self, stream, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int]) -> None:
+        if self.failure or not self.healthy:
+            raise EngineError(f"the engine is not serving: {self.failure or 'not started or shut down'}")
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        V = self.spec.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or not 0 <= t < V:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
+        if len(prompt) >= self.config.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.config.max_context} "
+                             "(prompt plus at least one generated token)")
+        room = self.config.max_context - len(prompt)
+        stops = frozenset(stop_ids) | frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= frozenset(self.spec.eos_token_ids)
+        seq = Sequence(id=stream.id, prompt=prompt, params=params,
+                       seed=params.seed if params.seed is not None else random.randrange(2**62),
+                       max_new_tokens=min(params.max_new_tokens, room), stop_ids=stops)
+        need = self.scheduler.pages_for(seq)
+        if need > self.config.kv_pages:
+            raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV; the pool holds "
+                             f"{self.config.kv_pages * PAGE_SIZE}")
+        with self._lock:
+            if self.scheduler.usage()["waiting"] + self.inbox.qsize() >= self.config.max_pending:
+                raise Overloaded(f"too many waiting requests (max_pending {self.config.max_pending})")
+            self.streams[seq.id] = stream
+        self.inbox.put(("submit", seq))
+
+    def cancel(self, request_id: int) -> None:
+        self.inbox.put(("cancel", request_id))
+
+    def stats(self) -> dict:
+        with self._lock:
+            usage = self.scheduler.usage()
+            return dict(healthy=self.healthy and not self.failure, failure=self.failure, tp=self.tp,
+                        **usage, **self.counters)
+
+    # ---- the loop (coordinator thread) -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self._drain(block=not self.scheduler.running and not self.scheduler.waiting):
+                    break
+                for s in self.scheduler.expire(time.monotonic()):
+                    self._finish(s)
+                with self._lock:
+                    plan = self.scheduler.schedule()
+                if plan is None:
+                    continue
+                self._run(plan)
+        except _RankFailure as e:
+            self._fail(str(e))
+        except Exception as e:                           # a bug here must not hang the clients
+            log.exception("coordinator loop failed")
+            self._fail(f"coordinator failed: {type(e).__name__}: {e}")
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued submissions / cancellations; False on shutdown."""
+        try:
+            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self._check_processes()
+                self._check_messages()
+            return True
+        while True:
+            kind, value = item
+            if kind == "shutdown":
+                self._fail("the engine was shut down", status=Status.CANCELLED)
+                return False
+            if kind == "submit":
+                with self._lock:
+                    try:
+                        self.scheduler.add(value)
+                        self.seqs[value.id] = value
+                        self.counters["requests"] += 1
+                    except (Overloaded, ValueError) as e:
+                        value.status, value.error = Status.FAILED, str(e)
+                        self._finish(value)
+            elif kind == "cancel":
+                s = self.seqs.get(value)
+                if s is not None and not s.done:
+                    with self._lock:
+                        self.scheduler.cancel(s)
+                    s.finish_reason = "cancelled"
+                    self._finish(s)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _run(self, plan) -> None:
+        max_pages = max(len(s.pages) for s in plan.seqs)
+        arrays = plan.to_arrays(max_pages)
+        new_sampling = {}
+        for s in plan.new:
+            p = s.params
+            new_sampling[s.id] = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                      presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                      repetition_penalty=p.repetition_penalty, seed=s.seed, prompt_len=len(s.prompt))
+        step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, **arrays)
+        frames = step.to_frames()
+        for r in range(self.tp):
+            self._sock.send_multipart([f"rank{r}".encode()] + frames, copy=False)
+        result = self._await_result(plan.step)
+        self.counters["steps"] += 1
+        sampled = dict(zip(result.seq_ids.tolist(), result.tokens.tolist()))
+        with self._lock:
+            events = self.scheduler.commit(plan, sampled)
+        for s, token, reason in events:
+            self.counters["generated_tokens"] += 1
+            if reason is None:
+                self.streams[s.id]._push(Event(s.id, [token]))
+            else:
+                self._finish(s, last_token=token)
+
+    def _await_result(self, step: int) -> msg.StepResult:
+        while True:
+            self._check_processes()
+            if not self._sock.poll(20):
+                continue
+            ident, m = self._recv()
+            if isinstance(m, msg.StepResult):
+                if m.step != step:
+                    raise _RankFailure(f"rank 0 answered step {m.step} while step {step} was in flight")
+                return m
+            self._on_message(m)
+
+    def _check_messages(self) -> None:
+        while self._sock is not None and self._sock.poll(0):
+            _, m = self._recv()
+            self._on_message(m)
+
+    def _on_message(self, m) -> None:
+        if isinstance(m, msg.Heartbeat):
+            self._last_beat[m.rank] = time.monotonic()
+        elif isinstance(m, msg.Error):
+            raise _RankFailure(f"rank {m.rank} failed at step {m.step}: {m.reason}")
+        else:
+            raise _RankFailure(f"unexpected {type(m).__name__} from a rank")
+
+    def _check_processes(self, starting: bool = False) -> None:
+        now = time.monotonic()
+        for r, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None:
+                what = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise (RuntimeError if starting else _RankFailure)(f"rank {r} (pid {p.pid}) exited with {what}")
+            if not starting and now - self._last_beat.get(r, now) > self.options.heartbeat_timeout_s:
+                raise _RankFailure(f"rank {r} (pid {p.pid}) sent no heartbeat for "
+                                   f"{self.options.heartbeat_timeout_s:.0f} s")
+
+    def _send(self, rank: int, m) -> None:
+        self._sock.send_multipart([f"rank{rank}".encode()] + m.to_frames(), copy=False)
+
+    def _recv(self):
+        frames = self._sock.recv_multipart()
+        return frames[0], msg.Message.from_frames(frames[1:])
+
+    # ---- endings ------------------------------------------------------------------------------------
+
+    def _finish(self, s: Sequence, last_token: int | None = None) -> None:
+        stream = self.streams.pop(s.id, None)
+        self.seqs.pop(s.id, None)
+        now = time.monotonic()
+        usage = dict(prompt_tokens=len(s.prompt), completion_tokens=len(s.output))
+        timings = dict(ttft_s=(s.first_token_at - s.submitted_at) if s.first_token_at else None,
+                       total_s=now - s.submitted_at)
+        if s.status == Status.FAILED:
+            self.counters["failed"] += 1
+        elif s.status == Status.CANCELLED:
+            self.counters["cancelled"] += 1
+        else:
+            self.counters["finished"] += 1
+            self.counters["prompt_tokens"] += len(s.prompt)
+        if stream is not None:
+            tokens = [last_token] if last_token is not None else []
+            reason = s.finish_reason if s.status != Status.FAILED else None
+            stream._push(Event(s.id, tokens, finish_reason=reason, error=s.error if s.status == Status.FAILED else None,
+                               usage=usage, timings=timings))
+
+    def _fail(self, reason: str, status: Status = Status.FAILED) -> None:
+        """End every request; with FAILED the engine also turns unhealthy and stops its ranks."""
+        if status == Status.FAILED:
+            log.error("engine failure: %s", reason)
+            self.failure = reason
+            self.healthy = False
+            for p in self.procs:        # the survivors may be stuck in an exchange: stop them now
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        with self._lock:
+            pending = list(self.seqs.values())
+            for s in pending:
+                self.scheduler.cancel(s, Status.FAILED if status == Status.FAILED else Status.CANCELLED, reason)
+                if status != Status.FAILED:
+                    s.finish_reason = "cancelled"
+        for s in pending:
+            self._finish(s)
+        # a submit that raced the failure is still in the inbox: answer it too
+        while True:
+            try:
+                kind, value = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                value.status, value.error = Status.FAILED, reason
+                self._finish(value)
+
+
+class _RankFailure(RuntimeError):
+    pass
+

@@ -1,0 +1,194 @@
+"""runtime.Engine: the one Python API of the serving runtime.
+
+    engine = Engine.start(model_dir, tp=2)
+    stream = engine.submit(prompt_ids, SamplingParams(temperature=0))
+    for event in stream: ...            # or: async for event in stream
+    engine.cancel(stream.id); engine.stats(); engine.shutdown()
+
+The engine runs the coordinator loop in a thread of the calling process and one rank process per
+device; requests and cancellations reach the loop through a queue, events come back through each
+request's stream (usable from threads and from asyncio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+from runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve (a rank failed, or it was shut down)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Knobs of the runtime; the CLI's flags are kebab-case versions of these names."""
+    max_concurrency: int = 8
+    max_pending: int = 256
+    pending_timeout_s: float = 600.0
+    prefill_chunk: int = 256
+    max_step_tokens: int = 1024
+    max_context: int | None = None       # default: min(model's max_position_embeddings, 8192)
+    kv_capacity: int | None = None       # tokens of KV in the pool; default max_concurrency x max_context
+    startup_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 10.0
+    mailbox_timeout_s: float = 60.0
+    threads_per_rank: int | None = None  # torch threads per rank process; default cores // tp
+    log_level: str = "WARNING"
+
+
+@dataclass
+class Event:
+    """One piece of a request's output. The last event has `finish_reason` (or `error`)."""
+    request_id: int
+    tokens: list[int]
+    finish_reason: str | None = None     # "stop" | "length" | "cancelled" | None
+    error: str | None = None
+    usage: dict | None = None            # prompt_tokens, completion_tokens (last event)
+    timings: dict | None = None          # ttft_s, total_s (last event)
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Completion:
+    request_id: int
+    tokens: list[int]
+    finish_reason: str | None
+    error: str | None
+    usage: dict | None
+    timings: dict | None
+
+
+class RequestStream:
+    """Events of one request, in order; iterate synchronously or with `async for`."""
+
+    def __init__(self, request_id: int):
+        self.id = request_id
+        self._events: collections.deque[Event] = collections.deque()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.closed = False
+
+    def _push(self, event: Event) -> None:
+        with self._cond:
+            self._events.append(event)
+            self.closed = self.closed or event.final
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, ev in waiters:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:                        # that loop is closed
+                pass
+
+    def get(self, timeout: float | None = None) -> Event:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events, timeout=timeout):
+                raise TimeoutError(f"no event for request {self.id} within {timeout} s")
+            return self._events.popleft()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self.get()
+            yield ev
+            if ev.final:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, wake))
+        try:
+            while True:
+                with self._cond:
+                    ev = self._events.popleft() if self._events else None
+                    if ev is None:
+                        wake.clear()
+                if ev is None:
+                    await wake.wait()
+                    continue
+                yield ev
+                if ev.final:
+                    return
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, wake))
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request ends; all its tokens and how it ended."""
+        tokens: list[int] = []
+        while True:
+            ev = self.get(timeout)
+            tokens.extend(ev.tokens)
+            if ev.final:
+                return Completion(self.id, tokens, ev.finish_reason, ev.error, ev.usage, ev.timings)
+
+
+class Engine:
+    """Starts the coordinator and its rank processes; thread-safe submit / cancel / stats."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, device: str = "cpu", dtype: str = "float32",
+                 options: EngineOptions | None = None):
+        from runtime.coordinator import Coordinator       # keeps `import runtime` light
+
+        self.options = options or EngineOptions()
+        self._coordinator = Coordinator(os.fspath(model_dir), tp=tp, device=device, dtype=dtype,
+                                        options=self.options)
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def start(cls, model_dir: str | os.PathLike, *, tp: int = 1, device: str = "cpu", dtype: str = "float32",
+              options: EngineOptions | None = None) -> "Engine":
+        """Spawn the ranks, wait until every one has loaded its shard, start the step loop."""
+        engine = cls(model_dir, tp=tp, device=device, dtype=dtype, options=options)
+        engine._coordinator.start()
+        return engine
+
+    @property
+    def spec(self):
+        return self._coordinator.spec
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
+               stop_token_ids: frozenset[int] | set[int] | None = None) -> RequestStream:
+        """Queue a request; raise ValueError for bad input, Overloaded when the queue is full,
+        EngineError when the engine is down. EOS ids of the model are stop ids unless ignore_eos."""
+        params = params or SamplingParams()
+        stream = RequestStream(next(self._ids))
+        self._coordinator.submit(stream, list(prompt_ids), params, frozenset(stop_token_ids or ()))
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        self._coordinator.cancel(request_id)
+
+    def stats(self) -> dict:
+        return self._coordinator.stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._coordinator.shutdown(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):  # pragma: no cover - best effort if the owner forgot
+        try:
+            self._coordinator.shutdown(2.0)
+        except Exception:
+            pass
+

@@ -1,0 +1,196 @@
+"""Admission, slots, continuous batching and chunked prefill (bookkeeping only; no tensors).
+
+Every step, each running sequence that has finished its prompt decodes one column, and sequences
+still in their prompt get prefill chunks (at most `prefill_chunk` columns each) until the step's
+column budget (`max_step_tokens`) is spent. A step that feeds a sequence's last known token samples
+one token for it.
+
+KV policy: a request is admitted only when a state slot and the KV pages for its whole budget
+(prompt + max_new_tokens, clamped to the context) are free, and it keeps them until it ends. KV
+therefore never runs out mid-generation and nothing is preempted; the price is that a large
+max_new_tokens holds pages it may not use. A request whose budget exceeds the whole pool is refused
+at submission. Waiting requests are admitted in arrival order (no overtaking, so a large request
+cannot starve); the pending queue is bounded and its entries time out.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.config import PAGE_SIZE
+from runtime.sequence import Sequence, Status
+
+
+class Overloaded(RuntimeError):
+    """The pending queue is full; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_concurrency: int = 8          # state slots = sequences running at once
+    max_pending: int = 256            # waiting requests before Overloaded
+    pending_timeout_s: float = 600.0  # a waiting request older than this fails
+    prefill_chunk: int = 256          # prefill columns per sequence per step
+    max_step_tokens: int = 1024       # columns per step, all sequences together
+    kv_pages: int = 1024              # pages in the pool (each PAGE_SIZE tokens)
+    max_context: int = 8192           # prompt + output tokens per sequence
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "max_pending", "prefill_chunk", "max_step_tokens", "kv_pages", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_tokens < self.max_concurrency:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_concurrency "
+                             f"({self.max_concurrency}) so every running sequence can decode each step")
+
+
+@dataclass
+class Plan:
+    """What one step does; `to_arrays` flattens it for the StepPlan message."""
+    step: int
+    seqs: list[Sequence]
+    columns: list[int]
+    sample: list[bool]
+    new: list[Sequence] = field(default_factory=list)        # first step of these sequences
+    released: list[int] = field(default_factory=list)        # ended since the last plan
+
+    def to_arrays(self, max_pages: int) -> dict[str, np.ndarray]:
+        B = len(self.seqs)
+        tables = np.zeros((B, max(max_pages, 1)), dtype=np.int32)
+        tokens: list[int] = []
+        for b, (s, c) in enumerate(zip(self.seqs, self.columns)):
+            tables[b, :len(s.pages)] = s.pages
+            tokens.extend(s.token(i) for i in range(s.computed, s.computed + c))
+        return dict(
+            seq_ids=np.array([s.id for s in self.seqs], dtype=np.int64),
+            columns=np.array(self.columns, dtype=np.int32),
+            starts=np.array([s.computed for s in self.seqs], dtype=np.int32),
+            slots=np.array([s.slot for s in self.seqs], dtype=np.int32),
+            page_tables=tables,
+            token_ids=np.array(tokens, dtype=np.int32),
+            sample=np.array(self.sample, dtype=np.int8),
+        )
+
+
+class Scheduler:
+    """Single-threaded: the coordinator's loop is its only caller."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(config.max_concurrency - 1, -1, -1))
+        self.free_pages = list(range(config.kv_pages - 1, -1, -1))
+        self.released: list[int] = []
+        self.step = 0
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def pages_for(self, seq: Sequence) -> int:
+        return -(-(len(seq.prompt) + seq.max_new_tokens) // PAGE_SIZE)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (Overloaded when the queue is full; ValueError if it can never fit)."""
+        need = self.pages_for(seq)
+        if need > self.config.kv_pages:
+            raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV (prompt {len(seq.prompt)} + "
+                             f"max_new_tokens {seq.max_new_tokens}); the pool holds {self.config.kv_pages * PAGE_SIZE}")
+        if len(self.waiting) >= self.config.max_pending:
+            raise Overloaded(f"{len(self.waiting)} requests are already waiting (max_pending {self.config.max_pending})")
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence, status: Status = Status.CANCELLED, reason: str | None = None) -> None:
+        """End a sequence now and free what it holds (its in-flight result, if any, is ignored)."""
+        if seq.done:
+            return
+        if seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self._release(seq)
+        seq.status, seq.error, seq.finished_at = status, reason, time.monotonic()
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Fail waiting requests older than pending_timeout_s."""
+        out = [s for s in self.waiting if now - s.submitted_at > self.config.pending_timeout_s]
+        for s in out:
+            self.cancel(s, Status.FAILED, f"waited more than {self.config.pending_timeout_s:.0f} s for a free slot")
+        return out
+
+    # ---- steps ------------------------------------------------------------------------------------
+
+    def schedule(self) -> Plan | None:
+        """Admit what fits, then plan one step (None when there is nothing to run)."""
+        new = self._admit()
+        budget = self.config.max_step_tokens
+        seqs, columns, sample = [], [], []
+        for s in self.running:                          # decodes first: one column each
+            if not s.prefilling:
+                seqs.append(s), columns.append(1), sample.append(True)
+                budget -= 1
+        for s in self.running:                          # then prefill chunks, oldest first
+            if s.prefilling and budget > 0:
+                n = min(self.config.prefill_chunk, len(s.prompt) - s.computed, budget)
+                seqs.append(s), columns.append(n), sample.append(s.computed + n == len(s.prompt))
+                budget -= n
+        released, self.released = self.released, []
+        if not seqs:
+            if released:
+                self.released = released
+            return None
+        self.step += 1
+        return Plan(self.step, seqs, columns, sample, new=new, released=released)
+
+    def commit(self, plan: Plan, sampled: dict[int, int]) -> list[tuple[Sequence, int | None, str | None]]:
+        """Apply a step's result: advance, append sampled tokens, finish what is complete.
+
+        Returns (sequence, new token or None, finish reason or None) for sequences that got a token.
+        """
+        events = []
+        for s, c in zip(plan.seqs, plan.columns):
+            if s.done:                                  # cancelled while the step ran
+                continue
+            s.computed += c
+            token = sampled.get(s.id)
+            if token is None:
+                continue
+            reason = s.append(token)
+            if reason is not None:
+                s.finish_reason = reason
+                self._release(s)
+                s.status, s.finished_at = Status.FINISHED, time.monotonic()
+            events.append((s, token, reason))
+        return events
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _admit(self) -> list[Sequence]:
+        new = []
+        while self.waiting and self.free_slots:
+            s = self.waiting[0]
+            need = self.pages_for(s)
+            if need > len(self.free_pages):
+                break                                   # arrival order: no overtaking
+            self.waiting.popleft()
+            s.slot = self.free_slots.pop()
+            s.pages = [self.free_pages.pop() for _ in range(need)]
+            s.status = Status.RUNNING
+            self.running.append(s)
+            new.append(s)
+        return new
+
+    def _release(self, s: Sequence) -> None:
+        if s in self.running:
+            self.running.remove(s)
+            self.free_slots.append(s.slot)
+            self.free_pages.extend(reversed(s.pages))
+            self.released.append(s.id)
+        s.slot, s.pages = -1, []
+
+    def usage(self) -> dict[str, int]:
+        return dict(running=len(self.running), waiting=len(self.waiting),
+                    slots_used=self.config.max_concurrency - len(self.free_slots),
+                    pages_used=self.config.kv_pages - len(self.free_pages), pages_total=self.config.kv_pages)

@@ -1,0 +1,67 @@
+"""One request's token state, budget and stop conditions (coordinator side; no tensors)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from runtime.sampling import SamplingParams
+
+
+class Status(enum.IntEnum):
+    """Order matters: everything from FINISHED on is terminal."""
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+    CANCELLED = 3
+    FAILED = 4
+
+
+@dataclass
+class Sequence:
+    """Tokens of one request. ``computed`` tokens are in the ranks' KV / GDN state; the next step
+    feeds ``tokens[computed:computed + n]``. A step that feeds the last known token samples one."""
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int                # params.max_new_tokens clamped to the context left
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    computed: int = 0
+    status: Status = Status.WAITING
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.status >= Status.FINISHED
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
+
+    def append(self, token: int) -> str | None:
+        """Add a sampled token; return the finish reason if the sequence is now complete."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.output.append(token)
+        if token in self.stop_ids:
+            return "stop"
+        if len(self.output) >= self.max_new_tokens:
+            return "length"
+        return None
