@@ -38,6 +38,8 @@ _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
     "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
     "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
+    "U16": (torch.uint16, 2), "U32": (torch.uint32, 4), "U64": (torch.uint64, 8),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),
 }
 _FLOAT_TAGS = ("F32", "F16", "BF16")
 _TORCH_TO_TAG = {v[0]: k for k, v in _DTYPES.items()}
@@ -78,7 +80,8 @@ def read_header(path: str) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8 or n > 100 * 2**20:
-                raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file {size} bytes)")
+                raise CheckpointError(f"{path}: truncated or corrupt safetensors header (header length {n} bytes, "
+                                      f"file {size} bytes)")
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from e
@@ -88,6 +91,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
     data_size = size - 8 - n
     out: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
@@ -95,6 +99,9 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             tag, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (TypeError, KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: tensor {key!r}: malformed header entry {entry!r}") from e
+        if not all(_is_uint(d) for d in shape) or not (_is_uint(begin) and _is_uint(end)):
+            raise CheckpointError(f"{path}: tensor {key!r}: malformed header entry {entry!r} (shape and "
+                                  "data_offsets must be non-negative integers)")
         if tag not in _DTYPES:
             raise CheckpointError(f"{path}: tensor {key!r}: unknown dtype {tag!r}")
         nbytes = math.prod(shape) * _DTYPES[tag][1]
@@ -105,7 +112,23 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: truncated: tensor {key!r} ends at byte {end} of the data "
                                   f"section but the file holds only {data_size}")
         out[key] = TensorInfo(path, key, tag, shape)
+        spans.append((begin, end, key))
+    # safetensors requires the tensors to tile the data section exactly; check it here so that a gap,
+    # an overlap or stray trailing bytes are refused before any tensor is read (not halfway through a load)
+    pos = 0
+    for begin, end, key in sorted(spans):
+        if begin != pos:
+            raise CheckpointError(f"{path}: corrupt safetensors file: tensor {key!r} starts at byte {begin} of the "
+                                  f"data section, expected {pos} (overlapping or non-contiguous tensors)")
+        pos = end
+    if pos != data_size:
+        raise CheckpointError(f"{path}: corrupt safetensors file: {data_size - pos} stray bytes after the last "
+                              f"tensor (data section {data_size} bytes, tensors end at {pos})")
     return out
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class Checkpoint:
@@ -159,8 +182,20 @@ class Checkpoint:
         return self.tensors[name].shape
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
-             dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
-        """One tensor, or a slice of its first (rows) and second (cols) axes, as a torch tensor."""
+             dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """One tensor, or a slice of it, as a torch tensor.
+
+        `rows` / `cols` slice the first two axes; `index` (a tuple of slices, one per leading axis)
+        is the general form. Only the selected bytes are read from the file.
+        """
+        if index is not None:
+            if rows is not None or cols is not None:
+                raise ValueError("give either index or rows/cols, not both")
+            padded = tuple(index) + (None, None)
+            rows, cols, rest = padded[0], padded[1], tuple(index[2:])
+        else:
+            rest = ()
         from safetensors import SafetensorError, safe_open
 
         info = self.tensors.get(name)
@@ -170,12 +205,12 @@ class Checkpoint:
             handle = self._handles.get(info.file)
             if handle is None:
                 handle = self._handles[info.file] = safe_open(info.file, framework="pt")
-            if rows is None and cols is None:
+            if rows is None and cols is None and not rest:
                 t = handle.get_tensor(info.key)
             else:
                 sl = handle.get_slice(info.key)
-                index = (rows or slice(None),) + ((cols,) if cols is not None else ())
-                t = sl[index]
+                full = (rows or slice(None),) + ((cols or slice(None),) + rest if cols is not None or rest else ())
+                t = sl[full]
         except SafetensorError as e:
             raise CheckpointError(f"{info.file}: tensor {info.key!r}: {e}") from e
         if dtype is not None and t.dtype != dtype:
@@ -293,7 +328,7 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
     expected = expected_shapes(spec, fused_experts=True, include_mtp=has_mtp)
     per_expert: set[str] = set()
     for prefix in _moe_prefixes(spec, has_mtp):
-        if any(n.startswith(prefix) and n[len(prefix)].isdigit() for n in names):
+        if any(n.startswith(prefix) and n[len(prefix):len(prefix) + 1].isdigit() for n in names):
             per_expert.add(prefix)
             layer_p = prefix[: -len("mlp.experts.")]
             del expected[prefix + "gate_up_proj"], expected[prefix + "down_proj"]
