@@ -13,9 +13,9 @@ from typing import Iterator
 
 import torch
 
-from kernels import reference as ops
 from ranks.kvcache import PAGE_SIZE
 from ranks.model import Batch, HybridModel
+from ranks.sampler import SeqSampler, sample_rows
 from runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,13 @@ class LocalGenerator:
         state = self.model.new_state(num_slots=1, num_pages=pages)
         table = torch.arange(pages, dtype=torch.int32)[None]
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
+        sampler = SeqSampler(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                             min_p=params.min_p, presence_penalty=params.presence_penalty,
+                             frequency_penalty=params.frequency_penalty,
+                             repetition_penalty=params.repetition_penalty,
+                             seed=params.seed if params.seed is not None else random.randrange(2**62),
+                             prompt_len=len(prompt_ids))
+        sampler.observe(list(prompt_ids), 0)
 
         ids = torch.tensor(prompt_ids, dtype=torch.int64)
         logits = None
@@ -63,11 +69,13 @@ class LocalGenerator:
             logits = out.logits
         position = len(prompt_ids)
         for step in range(budget):
-            token = int(ops.sample(logits.float().cpu(), params.temperature, params.top_k, params.top_p,
-                                   params.min_p, generator=gen)[0])
+            # the same keyed sampler the rank processes use: same seed, same text at any tp
+            token = sample_rows(logits.float().cpu(), [sampler], [position], rank=0, tp=1, gather=None,
+                                vocab=spec.vocab_size)[0]
             yield token
             if token in stops or step == budget - 1:
                 return
+            sampler.observe([token], position)
             out = self.model.forward(Batch(torch.tensor([token]), [1], [position], [0], table), state,
                                      logits="last")
             logits = out.logits

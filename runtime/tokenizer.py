@@ -25,7 +25,7 @@ class TokenizerError(ValueError):
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2 byte-level alphabet: byte -> printable character (the map ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -121,7 +121,8 @@ class Tokenizer:
                 raise TokenizerError(f"{gen_path}: eos_token_id {i!r} is not an id of the tokenizer "
                                      f"({size} ids in {path})")
         return cls(tok, eos_token=_token_content(cfg.get("eos_token")), pad_token=_token_content(cfg.get("pad_token")),
-                   chat_template=template if isinstance(template, str) else None, extra_eos_ids=eos_ids, source=cfg_path)
+                   chat_template=template if isinstance(template, str) else None, extra_eos_ids=eos_ids,
+                   source=cfg_path)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -177,6 +178,41 @@ class Tokenizer:
                                                           add_generation_prompt=add_generation_prompt, **kwargs)
 
 
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "max_new_tokens")
+
+
+def generation_defaults(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Sampling defaults and stop ids from MODEL_DIR/generation_config.json ({} when there is none).
+
+    Returns the keys present among temperature, top_k, top_p, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty, max_new_tokens, plus ``eos_token_ids`` (a list, from
+    eos_token_id int or list). ``do_sample: false`` means greedy, as in transformers: temperature 0.
+    """
+    path = os.path.join(os.fspath(model_dir), GENERATION_CONFIG_FILE)
+    gen = _read_json(path, required=False)
+    if gen is None:
+        return {}
+    if not isinstance(gen, dict):
+        raise TokenizerError(f"{path}: must be a JSON object, got {type(gen).__name__}")
+    out: dict[str, Any] = {}
+    for key in _SAMPLING_KEYS:
+        value = gen.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TokenizerError(f"{path}: field {key!r} must be a number, got {value!r}")
+        out[key] = value
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0
+    eos = gen.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TokenizerError(f"{path}: field 'eos_token_id' must be an id or a list of ids, got {eos!r}")
+    out["eos_token_ids"] = list(ids)
+    return out
+
+
 def _is_byte_level(tok) -> bool:
     try:
         decoder = json.loads(tok.to_str()).get("decoder") or {}
@@ -214,6 +250,8 @@ class IncrementalDecoder:
             self._prefix, self._read = self._read, len(self.ids)
             return new_text[len(prefix_text):]
         return ""
+
+    add = push      # alias
 
     def push_many(self, ids: Iterable[int]) -> str:
         return "".join(self.push(i) for i in ids)

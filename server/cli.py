@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="activation and weight dtype (default float32)")
     g.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prefill columns per step")
+    g.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor-parallel ranks (1 runs in this process; N > 1 starts N rank processes)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract per token present in the output")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per occurrence in the output")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise prompt and output tokens (>1)")
     g.set_defaults(func=cmd_generate)
     return parser
 
@@ -100,30 +105,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k if args.top_k is not None else int(defaults.get("top_k", 0) or 0),
             top_p=args.top_p if args.top_p is not None else float(defaults.get("top_p", 1.0) or 1.0),
             min_p=args.min_p if args.min_p is not None else 0.0,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
             seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     except ValueError as e:
         print(f"tandem generate: --{str(e).split(' ')[0].replace('_', '-')}: {e}", file=sys.stderr)
         return 2
+    prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
+    extra_eos = (tokenizer.eos_token_ids if tokenizer else set()) | set(defaults.get("eos_token_ids", ()))
+    decoder = tokenizer.incremental_decoder() if tokenizer else None
+    out_ids: list[int] = []
+
+    def emit(token: int) -> None:
+        out_ids.append(token)
+        if decoder is not None:
+            sys.stdout.write(decoder.add(token))
+            sys.stdout.flush()
+
     try:
-        gen = LocalGenerator.from_dir(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
-                                      prefill_chunk=args.prefill_chunk)
+        if args.tp == 1:
+            gen = LocalGenerator.from_dir(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
+                                          prefill_chunk=args.prefill_chunk)
+            for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
+                emit(token)
+        else:
+            from runtime import Engine, EngineError, EngineOptions
+
+            options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level)
+            with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:
+                for event in engine.submit(prompt_ids, params, stop_token_ids=extra_eos if not args.ignore_eos
+                                           else None):
+                    for token in event.tokens:
+                        emit(token)
+                    if event.error:
+                        raise EngineError(event.error)
     except (ConfigError, CheckpointError) as e:
         print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
-    prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
-    eos = set(gen.model.spec.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set()) | set(
-        defaults.get("eos_token_ids", ()))
-    decoder = tokenizer.incremental_decoder() if tokenizer else None
-    out_ids: list[int] = []
-    try:
-        for token in gen.generate(prompt_ids, params, eos):
-            out_ids.append(token)
-            if decoder is not None:
-                sys.stdout.write(decoder.add(token))
-                sys.stdout.flush()
     except ValueError as e:
         print(f"\ntandem generate: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        print(f"\ntandem generate: {e}", file=sys.stderr)
+        return 1
     if decoder is not None:
         sys.stdout.write(decoder.flush() + "\n")
     if args.print_token_ids:
