@@ -217,7 +217,8 @@ def causal_conv1d(x: Tensor, weight: Tensor, state: Tensor | None) -> tuple[Tens
 
     x [T, C] pre-conv inputs; weight [C, K]; state [C, K-1] = the previous K-1 inputs (None or
     zeros at a sequence start). Returns (y [T, C] in x's dtype, new state [C, K-1]).
-    ``y_t = silu(sum_j w[:, j] * x_{t-K+1+j})``; computed in the weight's dtype.
+    ``y_t = silu(sum_j w[:, j] * x_{t-K+1+j})``; accumulated in fp32 (fp64 for fp64 inputs) and
+    rounded once to the weight's dtype, as F.conv1d and the causal-conv1d kernels do.
     """
     T, C = x.shape
     K = weight.shape[1]
@@ -225,7 +226,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, state: Tensor | None) -> tuple[Tens
         state = x.new_zeros(C, K - 1)
     xs = torch.cat([state.to(weight.dtype).T, x.to(weight.dtype)], dim=0)       # [K-1+T, C]
     windows = xs.unfold(0, K, 1)                                                 # [T, C, K]
-    y = F.silu((windows * weight[None]).sum(-1))
+    y = F.silu((_acc(windows) * _acc(weight)[None]).sum(-1).to(weight.dtype))
     return y.to(x.dtype), xs[T:].T.to(state.dtype).contiguous()
 
 
