@@ -1,9 +1,9 @@
 """The embedded default model: what ``tandem generate`` loads when no model directory is given.
 
-Until the trained demo checkpoint ships inside the package (``ranks/demo_model/``), a seeded random
-checkpoint of the ``tiny`` preset stands in. It is built once into the user's cache directory
-(``$TANDEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``); it talks nonsense,
-but it exercises the whole path (tokenizer, prefill, decode, sampling, stop).
+The trained demo checkpoint ships inside the package (``ranks/demo_model/``, see docs/demo-model.md).
+If it is missing (a stripped install), a seeded random checkpoint of the ``tiny`` preset stands in,
+built once into the user's cache directory (``$TANDEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/tandem``,
+else ``~/.cache/tandem``); it talks nonsense, but it exercises the whole path.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def default_model_dir() -> str:
         return target
     from ranks.random_checkpoint import write_random_checkpoint
 
-    log.warning("no trained demo model is packaged yet; building a random 'tiny' checkpoint in %s", target)
+    log.warning("the packaged demo model is missing; building a random 'tiny' checkpoint in %s", target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=STAND_IN + ".", dir=os.path.dirname(target))
     try:

@@ -89,8 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 2
     tokenizer = None
     try:
-        if args.prompt is not None or not args.print_token_ids:
-            tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
     except TokenizerError as e:
         if args.prompt is not None:
             print(f"tandem generate: --prompt needs a tokenizer: {e}", file=sys.stderr)
