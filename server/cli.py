@@ -1,9 +1,11 @@
 """The ``tandem`` command: one entry point, one subcommand per job.
 
     tandem generate [MODEL_DIR] --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] ...
+    tandem serve [MODEL_DIR] [--host 127.0.0.1] [--port 8080] [--tp N] [--api-key KEY] ...
 
-With no MODEL_DIR the embedded default model is used. Exit status: 0 on success, 2 for bad
-arguments or an unloadable model (the message names the flag, file or field), 1 otherwise.
+With no MODEL_DIR the embedded default model is used. Exit status: 0 on success (serve: after
+SIGTERM / SIGINT), 2 for bad arguments or an unloadable model (the message names the flag, file or
+field), 1 otherwise (serve: the engine failed while serving, so a supervisor should restart it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
     return value
 
 
@@ -67,7 +79,73 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per occurrence in the output")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise prompt and output tokens (>1)")
     g.set_defaults(func=cmd_generate)
+    add_serve_parser(sub)
     return parser
+
+
+def add_serve_parser(sub) -> None:
+    from runtime.engine import EngineOptions
+
+    d = EngineOptions()
+    s = sub.add_parser("serve", help="serve the OpenAI / Anthropic HTTP APIs")
+    s.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face model directory (default: the embedded demo model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    s.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (one process per device)")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device kind of the ranks (default cpu)")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weight / activation dtype (default float32 on cpu, bfloat16 on cuda)")
+    s.add_argument("--max-concurrency", type=_positive_int, default=d.max_concurrency,
+                   help=f"sequences decoded at once (default {d.max_concurrency})")
+    s.add_argument("--max-pending", type=_positive_int, default=d.max_pending,
+                   help=f"waiting requests before 429 (default {d.max_pending})")
+    s.add_argument("--pending-timeout-s", type=float, default=d.pending_timeout_s,
+                   help=f"seconds a request may wait for a slot (default {d.pending_timeout_s:g})")
+    s.add_argument("--max-context", type=_positive_int, default=None,
+                   help="prompt + output tokens per sequence (default min(max_position_embeddings, 8192))")
+    s.add_argument("--prefill-chunk", type=_positive_int, default=d.prefill_chunk,
+                   help=f"prefill columns per sequence per step (default {d.prefill_chunk})")
+    s.add_argument("--max-step-tokens", type=_positive_int, default=d.max_step_tokens,
+                   help=f"columns per step, all sequences together (default {d.max_step_tokens})")
+    s.add_argument("--kv-capacity", type=_positive_int, default=None,
+                   help="tokens of KV in the pool (default max-concurrency x max-context)")
+    s.add_argument("--threads-per-rank", type=_positive_int, default=None,
+                   help="torch threads per rank process (default cores // tp)")
+    s.add_argument("--api-key", default=None,
+                   help="require this key (Authorization: Bearer or x-api-key); default $TANDEM_API_KEY")
+    s.add_argument("--model-id", default=None, help="model name clients use (default: the model directory's name)")
+    s.add_argument("--model-alias", action="append", default=[], help="another accepted model name (repeatable)")
+    s.add_argument("--accept-any-model", action="store_true",
+                   help="serve unknown model names with this model instead of answering 404")
+    s.add_argument("--request-log-jsonl", default=None, metavar="FILE",
+                   help="append one JSON event per line (no prompt or output text)")
+    s.add_argument("--throughput-interval-s", type=float, default=10.0,
+                   help="seconds between throughput events in the request log (default 10)")
+    s.add_argument("--chat-template", default=None, metavar="FILE", help="jinja chat template replacing the model's")
+    s.add_argument("--thinking", default=None, choices=["on", "off"],
+                   help="thinking when a request does not say (default: the template's default)")
+    s.add_argument("--preserve-thinking", action="store_true",
+                   help="render the reasoning of every past assistant turn (better prefix reuse for agents)")
+    s.add_argument("--reasoning-field", default="both", choices=["both", "reasoning_content", "reasoning"],
+                   help="OpenAI Chat field(s) carrying reasoning (default both)")
+    s.add_argument("--sampling-presets", default="qwen", choices=["qwen", "none"],
+                   help="per-mode recommended sampling for omitted fields (default qwen)")
+    s.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                   help="output cap when a request gives none (default: the rest of the context)")
+    s.add_argument("--max-body-mib", type=float, default=16.0, help="request body limit in MiB (default 16)")
+    s.add_argument("--shutdown-timeout-s", type=float, default=15.0,
+                   help="seconds in-flight requests may take to finish on SIGTERM (default 15)")
+    s.add_argument("--zmq-endpoint", default=None, metavar="ENDPOINT",
+                   help="also serve the ZeroMQ protocol here (e.g. tcp://127.0.0.1:5557, ipc:///run/tandem.sock)")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.serve import serve
+
+    return serve(args, sys.argv)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

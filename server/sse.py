@@ -45,10 +45,13 @@ async def with_keepalive(source: AsyncIterator[bytes], interval_s: float) -> Asy
             yield chunk
     finally:
         if pending is not None and not pending.done():
+            # the source is running inside `pending` (aclose() would raise "already running"); the
+            # cancellation ends it from inside that task, running its finally blocks
             pending.cancel()
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        else:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def sse_response(source: AsyncIterator[bytes], *, headers: dict[str, str] | None = None,

@@ -1,0 +1,280 @@
+"""One request's run: engine events -> text -> stop strings -> reasoning / content / tool-call deltas.
+
+    token ids --IncrementalDecoder--> text --StopMatcher--> text --OutputParser--> deltas
+
+`run(service, prepared)` is the body of Service.generate. EOS ids end the generation and are never
+decoded. A stop string ends it at the match (text from the match on is dropped) and cancels the
+request in the engine; so does the parser's stop_requested (parallel_tool_calls false). Closing the
+iterator early (client disconnect) cancels the request in the engine and is recorded as aborted
+(499 in logs and metrics). Usage counts every token the engine produced up to the end, EOS included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import AsyncIterator
+
+from runtime import parsing
+from server.service import (APIError, ChatRequest, ContentDelta, Delta, Finish, Prepared, ReasoningDelta,
+                            ToolCallArgs, ToolCallEnd, ToolCallStart)
+
+log = logging.getLogger(__name__)
+
+_DELTAS = {parsing.ReasoningDelta: lambda d: ReasoningDelta(d.text),
+           parsing.ContentDelta: lambda d: ContentDelta(d.text),
+           parsing.ToolCallStart: lambda d: ToolCallStart(d.index, d.id, d.name),
+           parsing.ToolCallArgs: lambda d: ToolCallArgs(d.index, d.fragment),
+           parsing.ToolCallEnd: lambda d: ToolCallEnd(d.index)}
+
+
+class StopMatcher:
+    """Finds the first stop string in streamed text. push() returns the text that is certainly before
+    any match, holding back a suffix that could still start one, and the matched string (or None)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        if not self.stops:
+            return text, None
+        buf = self.buf + text
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.buf = ""
+            return buf[:best[0]], best[1]
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.buf = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], None
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def engine_error(text: str) -> APIError:
+    """An error event of the engine -> the APIError the client sees."""
+    if "waited more than" in text:
+        return APIError(503, "overloaded", f"the server is overloaded: {text}", retry_after_s=2)
+    if "shut down" in text:
+        return APIError(503, "unavailable", "the server is shutting down", retry_after_s=5)
+    return APIError(503, "unavailable", f"the engine failed: {text}")
+
+
+def _parser(service, prepared: Prepared) -> parsing.OutputParser | None:
+    req = prepared.request
+    if not isinstance(req, ChatRequest):
+        return None
+    tools = [] if req.tool_choice == "none" or not req.tools else req.tools
+    return parsing.OutputParser(prepared.start, tools, req.parallel_tool_calls, id_seed=prepared.request_id,
+                                id_prefix=req.tool_id_prefix)
+
+
+def submit(service, prepared: Prepared) -> None:
+    """Submit once (Service.submit); errors are recorded as rejections and raised as APIError."""
+    from runtime import EngineError
+    from runtime.scheduler import Overloaded
+
+    if prepared.submitted is not None:
+        return
+    service._check_serving()
+    req = prepared.request
+    engine = service.engine
+    try:
+        stream = engine.submit(prepared.prompt_ids, prepared.params,
+                               stop_token_ids=None if req.ignore_eos else service.stop_token_ids)
+        prepared.submitted = (engine, stream)
+        service.request_started(prepared)
+        # a submission nobody runs or releases (an adapter that lost it) is cancelled when it is collected
+        prepared.orphan_guard = weakref.finalize(prepared, _orphaned, service, engine, stream.id, prepared.request_id)
+        return
+    except Overloaded as e:
+        err = APIError(429, "rate_limited", f"too many requests are waiting: {e}", retry_after_s=1)
+    except EngineError as e:
+        err = APIError(503, "unavailable", f"the engine is not serving: {e}")
+    except ValueError as e:
+        err = APIError(400, "invalid_request", str(e))
+    service.record_rejected(err, req.api)
+    raise err
+
+
+def _orphaned(service, engine, stream_id: int, request_id: str) -> None:
+    log.warning("request %s was submitted but never run or released; cancelled", request_id)
+    engine.cancel(stream_id)
+    with service._lock:
+        service.in_flight -= 1
+
+
+def _claim(prepared: Prepared) -> None:
+    prepared.claimed = True
+    guard = getattr(prepared, "orphan_guard", None)
+    if guard is not None:
+        guard.detach()
+
+
+def release(service, prepared: Prepared) -> None:
+    if prepared.submitted is not None and not prepared.claimed:
+        _claim(prepared)
+        engine, stream = prepared.submitted
+        engine.cancel(stream.id)
+        service.request_aborted(prepared, 0)
+        service.request_closed(prepared)
+
+
+async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
+    req = prepared.request
+    if prepared.claimed:
+        raise RuntimeError(f"request {prepared.request_id} was already run or released")
+    submit(service, prepared)
+    _claim(prepared)
+    engine, stream = prepared.submitted
+    stats = _Run(service, prepared)
+    parser = _parser(service, prepared)
+    stops = StopMatcher(req.stop)
+    decoder = service.tokenizer.incremental_decoder()
+    eos = frozenset() if req.ignore_eos else service.stop_token_ids
+    events = stream.__aiter__()
+    engine_done = False
+    try:
+        if parser is not None and prepared.forced_prefix:
+            for d in stats.convert(parser.feed(prepared.forced_prefix)):
+                yield d
+        reason, matched, engine_timings, engine_usage = None, None, {}, {}
+        while reason is None:
+            ev = await events.__anext__()
+            for tok in ev.tokens:
+                stats.token(tok)
+                if tok in eos:
+                    continue
+                text = decoder.push(tok)
+                if not text:
+                    continue
+                text, matched = stops.push(text)
+                for d in stats.feed(parser, text):
+                    yield d
+                if matched is not None:
+                    reason = "stop"
+                    break
+                if parser is not None and parser.stop_requested:
+                    reason = "tool_calls"
+                    break
+            if reason is not None:
+                break
+            if ev.error:
+                engine_done = True
+                raise engine_error(ev.error)
+            if ev.final:
+                engine_done = True
+                if ev.finish_reason == "cancelled":
+                    raise APIError(503, "unavailable", "the request was cancelled: the server is shutting down",
+                                   retry_after_s=5)
+                reason, engine_timings, engine_usage = ev.finish_reason or "stop", ev.timings or {}, ev.usage or {}
+        if matched is None and not (parser is not None and parser.stop_requested):
+            text, matched = stops.push(decoder.flush())
+            if matched is None:
+                text += stops.flush()
+            else:
+                reason = "stop"
+            for d in stats.feed(parser, text):
+                yield d
+        notes: list[str] = []
+        if parser is not None:
+            for d in stats.convert(parser.finish()):
+                yield d
+            result = parser.result()
+            notes = result.notes
+            if result.tool_calls:
+                reason = "tool_calls"
+        finish = stats.finish(reason, matched, notes, engine_timings, engine_usage)
+        yield finish
+    except APIError as e:
+        stats.error(e)
+        raise
+    except Exception as e:                          # a bug; GeneratorExit / CancelledError: aborted below
+        log.exception("request %s failed", prepared.request_id)
+        err = APIError(500, "internal", f"internal error: {type(e).__name__}: {e}", should_retry=False)
+        stats.error(err)
+        raise err from e
+    finally:
+        if not engine_done:
+            engine.cancel(stream.id)
+        await events.aclose()
+        stats.close()
+
+
+class _Run:
+    """Counters, timings and the accounting calls of one run."""
+
+    def __init__(self, service, prepared: Prepared):
+        self.service, self.prepared = service, prepared
+        self.n_out = self.reasoning_tokens = 0
+        self.in_reasoning = prepared.start == "reasoning"
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None
+        self.recorded = False
+
+    def token(self, tok: int) -> None:
+        self.n_out += 1
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+        if self.in_reasoning:
+            self.reasoning_tokens += 1
+            if tok == self.service.think_end_id:
+                self.in_reasoning = False
+
+    def convert(self, deltas: list) -> list[Delta]:
+        out = [_DELTAS[type(d)](d) for d in deltas]
+        if self.in_reasoning and any(not isinstance(d, ReasoningDelta) for d in out):
+            self.in_reasoning = False
+        return out
+
+    def feed(self, parser, text: str) -> list[Delta]:
+        if not text:
+            return []
+        if parser is None:
+            return [ContentDelta(text)]
+        return self.convert(parser.feed(text))
+
+    def finish(self, reason: str, matched: str | None, notes: list[str], engine_timings: dict,
+               engine_usage: dict) -> Finish:
+        now = time.monotonic()
+        ttft = engine_timings.get("ttft_s")
+        if ttft is None and self.t_first is not None:
+            ttft = self.t_first - self.t_submit
+        total = engine_timings.get("total_s") or (now - self.t_submit)
+        queue = engine_timings.get("queue_s")
+        ctx = self.prepared.context
+        timings = dict(queue_s=queue, ttft_s=ttft,
+                       prefill_s=(ttft - queue) if ttft is not None and queue is not None else None,
+                       decode_s=(total - ttft) if ttft is not None else None, total_s=total,
+                       e2e_s=(now - ctx.received_at) if ctx is not None else total)
+        n_prompt = len(self.prepared.prompt_ids)
+        usage = dict(prompt_tokens=n_prompt, completion_tokens=self.n_out, total_tokens=n_prompt + self.n_out,
+                     reasoning_tokens=min(self.reasoning_tokens, self.n_out),
+                     cached_tokens=int(engine_usage.get("cached_tokens", 0) or 0))
+        finish = Finish(reason, usage, timings, matched, list(notes))
+        self.recorded = True
+        self.service.request_done(self.prepared, finish)
+        return finish
+
+    def error(self, err: APIError) -> None:
+        if not self.recorded:
+            self.recorded = True
+            self.service.request_failed(self.prepared, err, self.n_out)
+
+    def close(self) -> None:
+        if not self.recorded:
+            self.recorded = True
+            self.service.request_aborted(self.prepared, self.n_out)
+        self.service.request_closed(self.prepared)

@@ -1,0 +1,121 @@
+"""Prometheus metrics of the HTTP frontend (GET /metrics), in a registry of their own.
+
+Names follow vLLM's where one exists (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, token
+totals, TTFT / e2e histograms, prefix-cache counters) so existing dashboards work; the rest are
+`tandem_*`. Scheduler gauges are read from the engine's stats() at scrape time. Request counters are
+labelled by API (chat, completions, messages, responses, ...) and by the X-Tandem-Client label; the
+first MAX_CLIENT_LABELS distinct clients get their own label value, later ones count as "other".
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import GaugeMetricFamily
+
+MAX_CLIENT_LABELS = 64
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class Metrics:
+    """stats_fn: () -> engine stats dict ({} while loading); in_flight_fn: () -> requests the frontend runs."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict] | None = None,
+                 in_flight_fn: Callable[[], int] | None = None):
+        disable_created_metrics()           # process-wide: no *_created series (noise for dashboards)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.stats_fn, self.in_flight_fn = stats_fn, in_flight_fn
+        self._clients: set[str] = set()
+        self._lock = threading.Lock()
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", m,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      m, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", m,
+                                   registry=r)
+        self.requests = Counter("tandem_requests", "Requests by API, client label and HTTP status",
+                                ["api", "client", "status"], registry=r)
+        self.aborted = Counter("tandem_requests_aborted", "Requests the client abandoned (499)", ["api"],
+                               registry=r)
+        self.prompt_tokens.labels(model_name)
+        self.generation_tokens.labels(model_name)
+        self.prefix_queries.labels(model_name)
+        self.prefix_hits.labels(model_name)
+        r.register(_EngineCollector(self))
+
+    def _client(self, client: str | None) -> str:
+        if not client:
+            return ""
+        with self._lock:
+            if client in self._clients:
+                return client
+            if len(self._clients) < MAX_CLIENT_LABELS:
+                self._clients.add(client)
+                return client
+        return "other"
+
+    def request_finished(self, api: str, client: str | None, status: int, prompt_tokens: int,
+                         completion_tokens: int, ttft_s: float | None, e2e_s: float | None) -> None:
+        m = self.model_name
+        self.requests.labels(api, self._client(client), str(status)).inc()
+        if status == 499:
+            self.aborted.labels(api).inc()
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        if status == 200:
+            self.prompt_tokens.labels(m).inc(prompt_tokens)
+            self.prefix_queries.labels(m).inc(prompt_tokens)
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.labels(m).observe(e2e_s)
+
+    def request_rejected(self, api: str, client: str | None, status: int) -> None:
+        self.requests.labels(api, self._client(client), str(status)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCollector:
+    """Scheduler gauges, read from the engine at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = self.metrics
+        stats = m.stats_fn() if m.stats_fn else {}
+        labels, values = ["model_name"], [m.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, float(value))
+            return g
+
+        used, total = stats.get("pages_used", 0), stats.get("pages_total", 0)
+        yield gauge("vllm:num_requests_running", "Requests in the engine's running batch", stats.get("running", 0))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for a slot", stats.get("waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0..1)", used / total if total else 0.0)
+        yield gauge("tandem_kv_pages_used", "KV pages in use", used)
+        yield gauge("tandem_kv_pages_total", "KV pages in the pool", total)
+        yield gauge("tandem_slots_used", "Sequence state slots in use", stats.get("slots_used", 0))
+        yield gauge("tandem_engine_healthy", "1 while the engine serves", 1.0 if stats.get("healthy") else 0.0)
+        yield gauge("tandem_http_requests_in_flight", "Generation requests the frontend is running",
+                    m.in_flight_fn() if m.in_flight_fn else 0)
+        if "spec_accepted" in stats and "spec_drafted" in stats:      # once speculation reports it
+            drafted = stats["spec_drafted"]
+            yield gauge("tandem_spec_acceptance_rate", "Accepted / drafted MTP tokens",
+                        stats["spec_accepted"] / drafted if drafted else 0.0)

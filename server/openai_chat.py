@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions: OpenAI Chat Completions (api.md §1).
+
+Request -> ChatRequest (every field checked, errors name its path) -> Service.prepare -> submit, all
+before the 200. Non-streaming: one chat.completion object. Streaming (data-only SSE, `[DONE]` last):
+role chunk {role: assistant, content: ""}; reasoning deltas (as reasoning_content and its alias
+reasoning, per Service.reasoning_fields); content deltas; per tool call i a header delta {index, id,
+type, function: {name, arguments: ""}} then argument fragments; one finish chunk (delta {}); a usage
+chunk (choices []) when stream_options.include_usage; in-band errors as data: {"error": {...}}.
+One chatcmpl- id for every chunk. Both paths run the same Service.generate, so a stream's deltas
+concatenate to the non-streamed object.
+
+Unsupported and refused with a 400 naming the field: n > 1, logprobs / top_logprobs, a non-empty
+logit_bias, non-function tools. response_format is accepted (and not enforced: no constrained decoding).
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server import params as P
+from server import sse
+from server.disconnect import Guarded, until_disconnect
+from server.errors import openai_error_body
+from server.service import (EFFORTS, APIError, ChatRequest, ContentDelta, Finish, Prepared, ReasoningDelta,
+                            Sampling, Service, ToolCallArgs, ToolCallStart)
+
+SYSTEM_FINGERPRINT = "tandem"
+
+
+def routes(service: Service) -> list[Route]:
+    async def endpoint(request: Request) -> Response:
+        return await chat_completions(service, request)
+
+    return [Route("/v1/chat/completions", endpoint, methods=["POST"])]
+
+
+class Options:
+    """Response-side options of one request."""
+
+    def __init__(self, stream: bool, include_usage: bool, include_reasoning: bool):
+        self.stream, self.include_usage, self.include_reasoning = stream, include_usage, include_reasoning
+
+
+def sampling_fields(f: P.Fields) -> Sampling:
+    """The sampling fields shared by chat and completions (OpenAI ranges; vLLM extras)."""
+    top_k = f.integer("top_k", lo=-1)
+    return Sampling(temperature=f.number("temperature", 0, 2), top_p=f.number("top_p", 0, 1, lo_open=True),
+                    top_k=None if top_k is None else max(top_k, 0), min_p=f.number("min_p", 0, 1),
+                    presence_penalty=f.number("presence_penalty", -2, 2),
+                    frequency_penalty=f.number("frequency_penalty", -2, 2),
+                    repetition_penalty=f.number("repetition_penalty", 0, 10, lo_open=True),
+                    seed=f.integer("seed", lo=-2**63, hi=2**64 - 1))
+
+
+def refuse_unsupported(f: P.Fields, logprobs_int: bool = False) -> None:
+    n = f.integer("n", lo=1, hi=128)
+    if n is not None and n != 1:
+        raise P.bad("n > 1 is not supported by this server; send n requests instead", "n")
+    if logprobs_int:
+        if f.integer("logprobs", lo=0, hi=20) is not None:
+            raise P.bad("logprobs are not supported by this server", "logprobs")
+    else:
+        if f.boolean("logprobs"):
+            raise P.bad("logprobs are not supported by this server", "logprobs")
+        if f.integer("top_logprobs", lo=0, hi=20):
+            raise P.bad("top_logprobs are not supported by this server", "top_logprobs")
+    bias = f.object("logit_bias")
+    if bias:
+        for k, v in bias.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise P.bad(f"invalid value for 'logit_bias.{k}': expected a number in [-100, 100]", f"logit_bias.{k}")
+        raise P.bad("logit_bias is not supported by this server", "logit_bias")
+
+
+def stream_options(f: P.Fields, stream: bool) -> bool:
+    opts = f.object("stream_options")
+    if opts is None:
+        return False
+    return bool(P.Fields(opts, "stream_options").boolean("include_usage")) and stream
+
+
+def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]:
+    f = P.Fields(body)
+    model = f.string("model", required=True)
+    messages = f.array("messages", required=True)
+    if not messages:
+        raise P.bad("'messages' must contain at least one message", "messages")
+    stream = bool(f.boolean("stream"))
+    include_usage = stream_options(f, stream)
+    refuse_unsupported(f)
+    max_tokens = f.integer("max_tokens", lo=1)
+    mct = f.integer("max_completion_tokens", lo=1)
+    tools = P.tools(body.get("tools"))
+    choice = P.tool_choice(body.get("tool_choice"), tools)
+    parallel = f.boolean("parallel_tool_calls")
+    fmt = f.object("response_format")
+    if fmt is not None:
+        P.Fields(fmt, "response_format").string("type", required=True, choices=("text", "json_object", "json_schema"))
+    effort = f.string("reasoning_effort", choices=EFFORTS)
+    thinking, budget = service.thinking_for_effort(effort)
+    enable = f.boolean("enable_thinking")                  # DashScope / Qwen convention, top level
+    if enable is not None:
+        thinking = enable
+    top_budget = f.integer("thinking_budget", lo=0)
+    if top_budget is not None:
+        budget = top_budget
+    kwargs = f.object("chat_template_kwargs") or {}
+    for key in ("enable_thinking", "preserve_thinking"):
+        if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], bool):
+            raise P.bad(f"invalid type for 'chat_template_kwargs.{key}': expected a boolean",
+                        f"chat_template_kwargs.{key}")
+    f.integer("min_tokens", lo=0)                          # accepted, not applied
+    f.boolean("skip_special_tokens")
+    include_reasoning = f.boolean("include_reasoning")
+    req = ChatRequest(
+        messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel is not False,
+        thinking=thinking, preserve_thinking=f.boolean("preserve_thinking"), thinking_budget=budget,
+        chat_template_kwargs={k: v for k, v in kwargs.items() if v is not None},
+        max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling_fields(f),
+        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
+    return req, Options(stream, include_usage, include_reasoning is not False)
+
+
+def usage_object(usage: dict[str, int]) -> dict[str, Any]:
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+            "completion_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)}}
+
+
+async def chat_completions(service: Service, request: Request) -> Response:
+    body = await P.read_json(request)
+    req, opts = parse(body, service)
+    prepared = service.prepare(req)
+    service.submit(prepared)
+    cid = "chatcmpl-" + secrets.token_hex(12)
+    if opts.stream:
+        return Guarded(sse.sse_response(_stream(service, prepared, opts, cid)), lambda: service.release(prepared))
+    try:
+        result = await until_disconnect(request.receive, service.complete(prepared))
+    finally:
+        service.release(prepared)
+    message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+    if result.reasoning is not None and opts.include_reasoning:
+        for name in service.reasoning_fields:
+            message[name] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in result.tool_calls]
+    return JSONResponse({
+        "id": cid, "object": "chat.completion", "created": prepared.created, "model": prepared.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish.finish_reason}],
+        "usage": usage_object(result.finish.usage)})
+
+
+async def _stream(service: Service, prepared: Prepared, opts: Options, cid: str):
+    base = {"id": cid, "object": "chat.completion.chunk", "created": prepared.created, "model": prepared.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
+
+    def chunk(delta: dict, finish: str | None = None) -> bytes:
+        return sse.event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                          "usage": None})
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async with aclosing(service.generate(prepared)) as deltas:
+            async for d in deltas:
+                if isinstance(d, ContentDelta):
+                    yield chunk({"content": d.text})
+                elif isinstance(d, ReasoningDelta):
+                    if opts.include_reasoning:
+                        yield chunk({name: d.text for name in service.reasoning_fields})
+                elif isinstance(d, ToolCallStart):
+                    yield chunk({"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                                 "function": {"name": d.name, "arguments": ""}}]})
+                elif isinstance(d, ToolCallArgs):
+                    yield chunk({"tool_calls": [{"index": d.index, "function": {"arguments": d.fragment}}]})
+                elif isinstance(d, Finish):
+                    yield chunk({}, d.finish_reason)
+                    if opts.include_usage:
+                        yield sse.event({**base, "choices": [], "usage": usage_object(d.usage)})
+    except APIError as e:
+        yield sse.event(openai_error_body(e))
+        return
+    yield sse.event("[DONE]")

@@ -1,0 +1,174 @@
+"""`tandem serve`: build the Service and the app, bind, run uvicorn (uvloop), and pick the exit status.
+
+Order: read the tokenizer, config and chat template (a bad model directory exits 2 before anything
+listens), bind the socket (a busy port exits 2), start uvicorn; the engine loads in the background
+while /health answers 503. SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
+--shutdown-timeout-s (then cancel them), shut the engine and its ranks down, exit 0. An engine
+failure: in-flight requests get their errors, the server stops, exit 1 (systemd restarts it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+
+import uvicorn
+
+log = logging.getLogger("tandem.serve")
+
+
+def _fail(message: str) -> int:
+    print(f"tandem serve: {message}", file=sys.stderr)
+    return 2
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)                   # connections queue from now on; uvicorn accepts them once it runs
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args, argv: list[str]) -> int:
+    from ranks.demo import default_model_dir
+    from runtime.config import ConfigError, load_spec
+    from runtime.engine import Engine, EngineOptions
+    from runtime.tokenizer import Tokenizer, TokenizerError, generation_defaults
+    from server.app import create_app
+    from server.metrics import Metrics
+    from server.request_log import RequestLog, config_record
+    from server.service import QWEN_MODE_SAMPLING, Service
+
+    model_dir = args.model_dir or default_model_dir()
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    try:
+        spec = load_spec(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        defaults = generation_defaults(model_dir)
+    except (ConfigError, TokenizerError, OSError) as e:
+        return _fail(f"cannot load {model_dir}: {e}")
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"--chat-template {args.chat_template}: {e}")
+    max_context = args.max_context or min(spec.max_position_embeddings, 8192)
+    if max_context > spec.max_position_embeddings:
+        return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "
+                     f"{spec.max_position_embeddings}")
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    options = EngineOptions(max_concurrency=args.max_concurrency, max_pending=args.max_pending,
+                            pending_timeout_s=args.pending_timeout_s, prefill_chunk=args.prefill_chunk,
+                            max_step_tokens=max(args.max_step_tokens, args.max_concurrency), max_context=max_context,
+                            kv_capacity=args.kv_capacity, threads_per_rank=args.threads_per_rank,
+                            log_level=args.log_level)
+    model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")
+    try:
+        request_log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None
+    except OSError as e:
+        return _fail(f"--request-log-jsonl {args.request_log_jsonl}: {e}")
+    fields = ("reasoning_content", "reasoning") if args.reasoning_field == "both" else (args.reasoning_field,)
+    try:
+        service = Service(None, tokenizer, model_id, max_context, defaults, template, request_log,
+                          aliases=tuple(args.model_alias), accept_any_model=args.accept_any_model,
+                          default_thinking=None if args.thinking is None else args.thinking == "on",
+                          preserve_thinking=True if args.preserve_thinking else None,
+                          mode_sampling=QWEN_MODE_SAMPLING if args.sampling_presets == "qwen" else None,
+                          default_max_tokens=args.default_max_tokens, reasoning_fields=fields)
+    except Exception as e:              # a chat template that does not compile
+        return _fail(f"cannot build the chat template: {e}")
+    service.metrics = Metrics(model_id, stats_fn=service.stats, in_flight_fn=lambda: service.in_flight)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e}")
+    attachments = []
+    if args.zmq_endpoint:
+        from server.zmq_api import ZmqServer
+
+        err = _check_zmq_endpoint(args.zmq_endpoint)
+        if err:
+            sock.close()
+            return _fail(f"--zmq-endpoint {args.zmq_endpoint}: {err}")
+        attachments.append(ZmqServer(service, args.zmq_endpoint, api_key))
+    host, port = sock.getsockname()[:2]
+    if request_log is not None:
+        request_log.event("server_start", **config_record(args, argv), model_dir=os.path.abspath(model_dir),
+                          model=model_id, max_context=max_context, tp=args.tp, device=args.device, dtype=dtype,
+                          listen=f"{host}:{port}", auth=api_key is not None)
+
+    outcome = {"code": 0, "reason": "signal"}
+
+    def load():
+        return Engine.start(model_dir, tp=args.tp, device=args.device, dtype=dtype, options=options)
+
+    def on_fatal(reason: str) -> None:
+        outcome.update(code=1, reason=f"engine failure: {reason}")
+        server.should_exit = True
+
+    app = create_app(service, api_key, engine_loader=load, on_fatal=on_fatal,
+                     max_body_bytes=int(args.max_body_mib * 2**20), throughput_interval_s=args.throughput_interval_s,
+                     attachments=tuple(attachments))
+    config = uvicorn.Config(app, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio", lifespan="on",
+                            log_level=args.log_level.lower(), access_log=args.access_log,
+                            timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)),
+                            h11_max_incomplete_event_size=256 * 1024, server_header=False)
+    server = _Server(config, service)
+    # uvicorn restores the previous handlers and re-raises a caught signal after a graceful stop; with
+    # these as the previous handlers that re-raise is a no-op, so a SIGTERM ends in exit status 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    print(f"tandem serve: listening on http://{host}:{port} (model {model_id}, loading)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:                  # uvicorn exits (3) on a failed lifespan startup, e.g. a busy endpoint
+        outcome.update(code=2, reason="startup failed")
+    finally:
+        sock.close()
+        if request_log is not None:
+            request_log.close(outcome["reason"])
+    if service.state == "failed" and outcome["code"] == 0:
+        outcome["code"] = 1
+    if outcome["code"]:
+        print(f"tandem serve: stopped: {outcome['reason']}", file=sys.stderr, flush=True)
+    return outcome["code"]
+
+
+def _check_zmq_endpoint(endpoint: str) -> str | None:
+    """Why `endpoint` cannot be bound (None if it can): checked before anything starts, so that a busy
+    endpoint exits 2 at once. The real bind happens in the app's lifespan."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint)
+        sock.unbind(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    except zmq.ZMQError as e:
+        return str(e)
+    finally:
+        sock.close(0)
+        ctx.term()
+    return None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that puts the service into draining (health 503, new requests refused) on a signal."""
+
+    def __init__(self, config, service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        self.service.begin_drain()
+        super().handle_exit(sig, frame)

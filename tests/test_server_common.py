@@ -1,0 +1,523 @@
+"""The HTTP front door and the process: bad input, limits, auth, ids, client labels, health, metrics,
+the request log, engine failure, and `tandem serve` as a process (SIGTERM, a dead rank, a bad model).
+
+Most tests run on the scripted FakeEngine; engine failure and the process tests use the real engine on
+a random tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from runtime import Engine, EngineOptions
+from runtime.engine import EngineError
+from runtime.scheduler import Overloaded
+from runtime.tokenizer import Tokenizer, generation_defaults
+from server.app import create_app
+from server.metrics import Metrics
+from server.request_log import RequestLog
+from server.service import Service
+from tests.server_util import FakeEngine, ROOT, qwen_template, running, tiny_model_dir, wait_for
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 1 << 20
+USER = [{"role": "user", "content": "Hello there"}]
+CHAT = {"model": "tiny", "messages": USER, "max_tokens": 8}
+
+
+def _service(engine, tok, d, **kw) -> Service:
+    service = Service(engine, tok, "tiny", 4096, generation_defaults(d), qwen_template(), **kw)
+    service.metrics = Metrics("tiny", service.stats, lambda: service.in_flight)
+    return service
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    engine = FakeEngine(tok)
+    log_path = str(tmp_path_factory.mktemp("log") / "requests.jsonl")
+    service = _service(engine, tok, d, request_log=RequestLog(log_path))
+    app = create_app(service, api_key=KEY, max_body_bytes=MAX_BODY)
+    with running(app) as url:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+            yield SimpleNamespace(url=url, http=client, engine=engine, service=service, log=log_path, tok=tok)
+
+
+def post(srv, path: str, body, headers: dict | None = None) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return srv.http.post(path, content=data, headers={"content-type": "application/json", **(headers or {})})
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def assert_anthropic_error(r: httpx.Response, status: int, etype: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == etype and body["error"]["message"]
+    return body
+
+
+def assert_serving(srv) -> None:
+    r = post(srv, "/v1/chat/completions", CHAT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: 400 (never 422) with the field's path; the server keeps serving
+
+
+BAD_CHAT = [
+    ({"model": "tiny"}, "messages"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": "hi"}, "messages"),
+    ({"messages": USER}, "model"),
+    ({"model": 5, "messages": USER}, "model"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": ["hi"]}, "messages[0]"),
+    ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    ({**CHAT, "messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+    ({**CHAT, "temperature": 2.5}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "top_k": "x"}, "top_k"),
+    ({**CHAT, "min_p": 1.5}, "min_p"),
+    ({**CHAT, "presence_penalty": -3}, "presence_penalty"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
+    ({**CHAT, "max_completion_tokens": "many"}, "max_completion_tokens"),
+    ({**CHAT, "seed": "x"}, "seed"),
+    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "stream_options": {"include_usage": "y"}, "stream": True}, "stream_options.include_usage"),
+    ({**CHAT, "stop": 5}, "stop"),
+    ({**CHAT, "stop": ["ok", 1]}, "stop[1]"),
+    ({**CHAT, "tools": {"type": "function"}}, "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools[0].function.parameters.type"),
+    ({**CHAT, "tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({**CHAT, "tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice.function.name"),
+    ({**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
+    ({**CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
+]
+BAD_COMPLETIONS = [
+    ({"model": "tiny"}, "prompt"),
+    ({"model": "tiny", "prompt": 5}, "prompt"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "tiny", "prompt": [1, "x"]}, "prompt[1]"),
+    ({"model": "tiny", "prompt": [1, 2**40]}, "prompt"),
+    ({"model": "tiny", "prompt": ""}, "prompt"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "echo": 1}, "echo"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_bad_chat_fields_are_400_naming_the_field(srv, body, param):
+    assert_openai_error(post(srv, "/v1/chat/completions", body), 400, param=param)
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+def test_bad_completion_fields_are_400_naming_the_field(srv, body, param):
+    assert_openai_error(post(srv, "/v1/completions", body), 400, param=param)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"model": "\xff\xfe"}', b"[1, 2]", b"", b'{"model": NaN}',
+                                 b"[" * 100_000 + b"]" * 100_000, b'"just a string"',
+                                 b'{"model": "tiny", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}'],
+                         ids=["malformed", "invalid-utf8", "array", "empty", "nan", "deep", "string", "lone-surrogate"])
+def test_undecodable_bodies_are_400_and_the_server_keeps_serving(srv, raw):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        err = assert_openai_error(post(srv, path, raw), 400)
+        assert err["type"] == "invalid_request_error"
+    assert_serving(srv)
+
+
+def test_a_surrogate_pair_escape_is_fine(srv):
+    r = post(srv, "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_model_is_404_model_not_found(srv):
+    assert_openai_error(post(srv, "/v1/chat/completions", {**CHAT, "model": "gpt-9"}), 404, "model", "model_not_found")
+    assert_openai_error(srv.http.get("/v1/models/gpt-9"), 404, code="model_not_found")
+
+
+def test_unknown_routes_and_wrong_methods_use_the_family_shape(srv):
+    assert_openai_error(srv.http.get("/v1/nothing-here"), 404, code="not_found")
+    assert_openai_error(srv.http.post("/nope"), 404)
+    assert_anthropic_error(srv.http.post("/v1/messages/nothing-here"), 404, "not_found_error")
+    r = srv.http.get("/v1/chat/completions")
+    assert_openai_error(r, 405)
+    assert "POST" in r.headers["allow"]
+    assert_openai_error(srv.http.delete("/v1/models"), 405)
+    assert_serving(srv)
+
+
+def test_oversized_bodies_are_413(srv):
+    big = json.dumps({**CHAT, "padding": "x" * (MAX_BODY + 10)})
+    assert_openai_error(post(srv, "/v1/chat/completions", big), 413, code="request_too_large")
+    assert_anthropic_error(post(srv, "/v1/messages", big), 413, "request_too_large")
+
+    def chunks():                                   # no Content-Length: counted while read
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = srv.http.post("/v1/chat/completions", content=chunks())
+    assert_openai_error(r, 413)
+    assert_serving(srv)
+
+
+def test_oversized_headers_are_refused_and_the_server_keeps_serving(srv):
+    r = srv.http.get("/v1/models", headers={"x-padding": "y" * 40_000})
+    assert_openai_error(r, 431)
+    try:
+        r = srv.http.get("/v1/models", headers={"x-padding": "y" * 400_000})
+        assert r.status_code in (400, 431)
+    except httpx.TransportError:                   # the HTTP layer may just drop such a connection
+        pass
+    assert_serving(srv)
+
+
+@pytest.mark.parametrize("labels,ok", [(["ci/bench-1"], True), (["a@b+c:d.e-f_g"], True), (["x" * 64], True),
+                                       (["x" * 65], False), (["bad label"], False), ([b"\xc3\xbc"], False), ([""], False),
+                                       (["a", "b"], False)])
+def test_client_label_is_validated(srv, labels, ok):
+    headers = [("authorization", f"Bearer {KEY}"), ("content-type", "application/json")]
+    headers += [("x-tandem-client", v) for v in labels]
+    r = httpx.post(srv.url + "/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                   headers=httpx.Headers(headers), timeout=30)
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        assert_openai_error(r, 400, code="invalid_client_label")
+
+
+def test_every_response_carries_request_ids(srv):
+    responses = [post(srv, "/v1/chat/completions", CHAT), post(srv, "/v1/chat/completions", b"{"),
+                 srv.http.get("/health"), srv.http.get("/v1/nope"), httpx.get(srv.url + "/v1/models"),
+                 srv.http.get("/v1/models/tiny")]
+    seen = set()
+    for r in responses:
+        assert r.headers["x-request-id"] == r.headers["request-id"] and r.headers["x-request-id"].startswith("req_")
+        seen.add(r.headers["x-request-id"])
+    assert len(seen) == len(responses)
+
+
+def test_api_key_is_required_except_for_health_and_metrics(srv):
+    plain = httpx.Client(base_url=srv.url, timeout=30)
+    with plain:
+        assert_openai_error(plain.post("/v1/chat/completions", json=CHAT), 401, code="invalid_api_key")
+        assert_openai_error(plain.get("/v1/models"), 401)
+        assert_openai_error(plain.post("/v1/chat/completions", json=CHAT,
+                                       headers={"Authorization": "Bearer wrong"}), 401)
+        assert_anthropic_error(plain.post("/v1/messages", json={}), 401, "authentication_error")
+        assert plain.get("/health").status_code == 200 and plain.get("/metrics").status_code == 200
+        assert plain.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": KEY}).status_code == 200
+        assert plain.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"bearer {KEY}"}).status_code == 200
+        assert plain.get("/v1/models", headers=AUTH).status_code == 200
+
+
+def test_engine_refusals_are_429_and_503_with_retry_headers(srv):
+    try:
+        srv.engine.raise_on_submit = Overloaded("queue full")
+        r = post(srv, "/v1/chat/completions", CHAT)
+        assert_openai_error(r, 429, code="rate_limit_exceeded")
+        assert r.headers["retry-after"] == "1" and r.headers["retry-after-ms"] == "1000"
+        srv.engine.raise_on_submit = EngineError("rank 0 died")
+        assert_openai_error(post(srv, "/v1/chat/completions", {**CHAT, "stream": True}), 503)
+    finally:
+        srv.engine.raise_on_submit = None
+    assert_serving(srv)
+
+
+def test_metrics_report_requests_tokens_and_scheduler_gauges(srv):
+    r = post(srv, "/v1/chat/completions", CHAT, headers={"X-Tandem-Client": "metrics/test"})
+    usage = r.json()["usage"]
+    text = srv.http.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "tandem_kv_pages_used", "tandem_kv_pages_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:prefix_cache_hits_total",
+                 "tandem_http_requests_in_flight", "tandem_engine_healthy"):
+        assert name in text, name
+    assert re.search(r'tandem_requests_total\{api="chat",client="metrics/test",status="200"\} 1\.0', text)
+    assert re.search(r'tandem_requests_total\{api="chat",client="",status="400"\}', text)
+    assert 'tandem_kv_pages_total{model_name="tiny"} 4096.0' in text
+    assert usage["prompt_tokens"] > 0
+
+
+def test_request_log_has_versioned_events_and_no_text(srv):
+    secret_in, secret_out = "zebra-prompt-secret", "okapi-output-secret"
+    srv.engine.script(f"thinking\n</think>\n\n{secret_out} <tool_call>\n<function=nope>\n</function>\n</tool_call>")
+    body = {**CHAT, "messages": [{"role": "user", "content": secret_in}], "max_tokens": 200,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    r = post(srv, "/v1/chat/completions", body, headers={"X-Tandem-Client": "log/test"})
+    assert secret_out in r.json()["choices"][0]["message"]["content"]
+    post(srv, "/v1/chat/completions", {**CHAT, "temperature": 9})
+    text = open(srv.log).read()
+    assert secret_in not in text and secret_out not in text
+    events = [json.loads(line) for line in text.splitlines()]
+    assert all(e["v"] == 1 and isinstance(e["ts"], float) for e in events)
+    rid = r.headers["x-request-id"]
+    mine = [e for e in events if e.get("request_id") == rid]
+    assert [e["event"] for e in mine] == ["request_start", "request_done"]
+    start, done = mine
+    assert start["client"] == "log/test" and start["api"] == "chat" and start["tools"] == 1 and start["thinking"]
+    assert done["status"] == 200 and done["finish_reason"] == "stop"
+    assert done["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert done["completion_tokens"] == r.json()["usage"]["completion_tokens"] and done["reasoning_tokens"] > 0
+    assert set(done["timings"]) >= {"queue_s", "ttft_s", "prefill_s", "decode_s", "total_s"}
+    assert any("unknown function" in n for n in done["parser_notes"])
+    rejected = [e for e in events if e["event"] == "request_rejected"]
+    assert rejected and rejected[-1]["param"] == "temperature" and rejected[-1]["status"] == 400
+
+
+def test_request_log_redacts_the_api_key():
+    from server.request_log import redact_argv
+
+    assert redact_argv(["serve", "--api-key", "s3cret", "--api-key=s3cret", "--port", "1"]) == \
+        ["serve", "--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Health: loading, draining, engine failure
+
+
+def test_health_is_503_while_loading_then_200():
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    release = threading.Event()
+    engine = FakeEngine(tok)
+
+    def load():
+        release.wait(30)
+        return engine
+
+    service = _service(None, tok, d)
+    with running(create_app(service, engine_loader=load)) as url:
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503
+        assert r.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        assert_openai_error(httpx.post(url + "/v1/chat/completions", json=CHAT), 503)
+        release.set()
+        wait_for(lambda: httpx.get(url + "/health").status_code == 200)
+        assert httpx.post(url + "/v1/chat/completions", json=CHAT).status_code == 200
+        service.begin_drain()
+        assert httpx.get(url + "/health").json()["error"]["message"] == "Shutting down"
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT)
+        assert_openai_error(r, 503)
+        assert "retry-after" in r.headers
+    assert engine.shut_down
+
+
+def test_a_failed_engine_start_turns_health_503_and_is_fatal():
+    d = tiny_model_dir()
+    fatal = []
+
+    def load():
+        raise RuntimeError("rank 0 could not load")
+
+    service = _service(None, Tokenizer.from_dir(d), d)
+    with running(create_app(service, engine_loader=load, on_fatal=fatal.append)) as url:
+        wait_for(lambda: fatal)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and "could not load" in r.json()["error"]["message"]
+    assert "could not load" in fatal[0]
+
+
+def test_killing_a_rank_fails_in_flight_requests_and_turns_health_503():
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    fatal = []
+    engine_box = []
+
+    def load():
+        engine_box.append(Engine.start(d, options=EngineOptions(max_concurrency=2, max_context=4096,
+                                                                threads_per_rank=1)))
+        return engine_box[0]
+
+    service = Service(None, tok, "tiny", 4096, generation_defaults(d))
+    with running(create_app(service, engine_loader=load, on_fatal=fatal.append, fatal_grace_s=5)) as url:
+        wait_for(lambda: httpx.get(url + "/health").status_code == 200, timeout=60)
+        pid = engine_box[0]._coordinator.procs[0].pid
+        body = {"model": "tiny", "messages": USER, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:                                   # decoding has started
+                if line.startswith("data: ") and "reasoning" in line:
+                    break
+            os.kill(pid, signal.SIGKILL)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        last = json.loads(rest[-1][6:])
+        assert "rank 0" in last["error"]["message"] and last["error"]["type"] == "server_error"
+        wait_for(lambda: fatal, timeout=10)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and "rank 0" in r.json()["error"]["message"]
+        assert_openai_error(httpx.post(url + "/v1/chat/completions", json=CHAT), 503)
+    assert not _alive(pid)
+
+
+# --------------------------------------------------------------------------------------------------
+# `tandem serve` as a process
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                    # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _rank_pids(parent: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"ranks.worker" in cmd:
+            out.append(int(entry))
+    return out
+
+
+class ServeProcess:
+    def __init__(self, *args: str):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("TANDEM_API_KEY", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *args, "--port", "0",
+                                      "--threads-per-rank", "1", "--model-id", "tiny"],
+                                     cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.url = None
+        self.lines: list[str] = []
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        assert self.url, "".join(self.lines)
+        self._drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._drain.start()
+
+    def wait_healthy(self) -> None:
+        wait_for(lambda: httpx.get(self.url + "/health").status_code == 200, timeout=60, interval=0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_serve_finishes_in_flight_work_on_sigterm_exits_0_and_leaves_no_rank_behind(tmp_path):
+    log = tmp_path / "log.jsonl"
+    zmq_endpoint = f"ipc://{tmp_path}/zmq.sock"
+    p = ServeProcess(tiny_model_dir(), "--request-log-jsonl", str(log), "--api-key", "hush", "--max-context", "2048",
+                     "--throughput-interval-s", "0.1", "--shutdown-timeout-s", "20", "--zmq-endpoint", zmq_endpoint)
+    try:
+        assert httpx.get(p.url + "/health").status_code in (200, 503)
+        p.wait_healthy()
+        from server.zmq_client import ZmqClient
+
+        zc = ZmqClient(zmq_endpoint, api_key="hush", timeout_s=30)
+        try:
+            assert zc.health()["status"] == "ok"
+            assert zc.chat(USER, stream=False, max_tokens=4).usage["completion_tokens"] >= 1
+        finally:
+            zc.close()
+        ranks = _rank_pids(p.proc.pid)
+        assert len(ranks) == 1
+        r = httpx.post(p.url + "/v1/chat/completions", json=CHAT, headers={"x-api-key": "hush"}, timeout=30)
+        assert r.status_code == 200
+        body = {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, headers={"x-api-key": "hush"},
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")            # the stream is open
+            p.proc.send_signal(signal.SIGTERM)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"                      # it was allowed to finish
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert p.proc.wait(30) == 0, "".join(p.lines)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        p.close()
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[0]["event"] == "server_start" and events[-1]["event"] == "server_stop"
+    assert "hush" not in log.read_text() and "<redacted>" in events[0]["argv"]
+    names = [e["event"] for e in events]
+    assert names.count("request_done") == 3 and "throughput" in names
+    tp = [e for e in events if e["event"] == "throughput" and "running" in e]     # (the first may predate the engine)
+    assert tp and {"interval_s", "pages_total", "generated_tokens_delta"} <= set(tp[-1])
+
+
+def test_serve_exits_nonzero_promptly_when_a_rank_dies():
+    p = ServeProcess(tiny_model_dir(), "--max-context", "2048")
+    try:
+        p.wait_healthy()
+        ranks = _rank_pids(p.proc.pid)
+        os.kill(ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = p.proc.wait(30)
+        assert code == 1, "".join(p.lines)
+        assert time.monotonic() - t0 < 10
+        assert "engine failure" in "".join(p.lines)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        p.close()
+
+
+def test_serve_refuses_a_bad_model_dir_with_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(tmp_path), "--port", "0"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot load" in r.stderr

@@ -1,0 +1,379 @@
+"""server/zmq_api.py + server/zmq_client.py against a scripted fake Service (and once a real tiny engine).
+
+The fake picks its script from the last user message: "hello" (reasoning + content), "tool" (one
+tool call), "forever" (content every 5 ms until closed), "fail" (an APIError after the first delta),
+"overflow" (prepare rejects the context); anything else is echoed back as content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from server.service import (APIError, ContentDelta, Finish, Prepared, ReasoningDelta, TextRequest, ToolCallArgs,
+                            ToolCallEnd, ToolCallStart, current_request)
+from server.zmq_api import PROTOCOL_VERSION, ZmqServer
+from server.zmq_client import AsyncZmqClient, ZmqAPIError, ZmqClient
+
+WAIT_S = 10.0        # upper bound for events that happen within milliseconds
+
+
+class FakeService:
+    model_id = "fake-model"
+    max_context = 4096
+
+    def __init__(self):
+        self.requests: list = []
+        self.contexts: list = []                 # current_request as prepare() saw it
+        self.opened = threading.Event()          # a "forever" generator started
+        self.closed = threading.Event()          # ... and was closed before its Finish
+        self.close_exc: list[str] = []
+        self._n = 0
+
+    def prepare(self, request) -> Prepared:
+        self.requests.append(request)
+        self.contexts.append(current_request.get())
+        if isinstance(request, TextRequest):
+            ids = request.prompt if isinstance(request.prompt, list) else [ord(c) for c in request.prompt]
+            return self._prepared(request, ids, "content")
+        text = request.messages[-1].get("content", "")
+        if text == "overflow":
+            raise APIError(400, "context_length_exceeded", "This model's maximum context length is 4096 tokens. "
+                           "However, your request has 5000 input tokens.", param="messages")
+        return self._prepared(request, list(range(len(text) + 3)), "reasoning")
+
+    def _prepared(self, request, ids, start) -> Prepared:
+        self._n += 1
+        return Prepared(request, ids, request.max_tokens or 100, start, f"req-{self._n}")
+
+    def count_tokens(self, request) -> int:
+        return sum(len(m.get("content") or "") for m in request.messages) + 3
+
+    async def generate(self, prepared: Prepared):
+        usage = {"prompt_tokens": len(prepared.prompt_ids), "completion_tokens": 3, "reasoning_tokens": 1,
+                 "cached_tokens": 0}
+        timings = {"ttft_s": 0.001, "total_s": 0.002}
+        request = prepared.request
+        if isinstance(request, TextRequest):
+            yield ContentDelta(" ".join(map(str, prepared.prompt_ids[: prepared.max_tokens])))
+            yield Finish("length", usage, timings)
+            return
+        text = request.messages[-1]["content"]
+        if text == "hello":
+            for d in (ReasoningDelta("hmm"), ContentDelta("Hel"), ContentDelta("lo")):
+                yield d
+            yield Finish("stop", usage, timings)
+        elif text == "tool":
+            for d in (ToolCallStart(0, "call_1", "get_weather"), ToolCallArgs(0, '{"city": '),
+                      ToolCallArgs(0, '"Paris"}'), ToolCallEnd(0)):
+                yield d
+            yield Finish("tool_calls", usage, timings)
+        elif text == "forever":
+            self.opened.set()
+            try:
+                while True:
+                    yield ContentDelta("x")
+                    await asyncio.sleep(0.005)
+            except BaseException as e:
+                self.close_exc.append(type(e).__name__)
+                self.closed.set()
+                raise
+        elif text == "fail":
+            yield ContentDelta("partial")
+            raise APIError(503, "unavailable", "engine died", should_retry=True)
+        else:
+            yield ContentDelta(text)
+            yield Finish("stop", usage, timings)
+
+
+@pytest.fixture
+def service():
+    return FakeService()
+
+
+@pytest.fixture
+def server(service):
+    srv = ZmqServer(service, "tcp://127.0.0.1:*")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with ZmqClient(server.endpoint, timeout_s=WAIT_S) as c:
+        yield c
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def raw_exchange(endpoint: str, body: bytes) -> dict:
+    """Send one raw frame from a fresh DEALER and return the first reply, decoded."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(body)
+        assert sock.poll(int(WAIT_S * 1000)), "no reply"
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def pack(**msg) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, **msg})
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def test_chat_streams_start_deltas_and_finish(client, service):
+    stream = client.chat(user("hello"), max_tokens=50, temperature=0.7, top_k=20, seed=3, stop="END",
+                         thinking=False, thinking_budget=8, chat_template_kwargs={"enable_thinking": False},
+                         client="bench-1")
+    assert stream.start["type"] == "start" and stream.start["prompt_tokens"] == 8
+    assert stream.start["request_id"].startswith("req-") and stream.start["model"] == "fake-model"
+    deltas = [(d.kind, d.text) for d in stream]
+    assert deltas == [("reasoning", "hmm"), ("content", "Hel"), ("content", "lo")]
+    r = stream.result
+    assert (r.reasoning, r.content, r.finish_reason) == ("hmm", "Hello", "stop")
+    assert r.usage["prompt_tokens"] == 8 and r.timings["total_s"] == 0.002
+    req = service.requests[-1]
+    assert req.api == "zmq" and req.max_tokens == 50 and req.stop == ["END"]
+    assert req.sampling.temperature == 0.7 and req.sampling.top_k == 20 and req.sampling.seed == 3
+    assert req.thinking is False and req.thinking_budget == 8
+    assert req.chat_template_kwargs == {"enable_thinking": False}
+    ctx = service.contexts[-1]
+    assert (ctx.client, ctx.path) == ("bench-1", "zmq:chat") and ctx.request_id
+
+
+def test_tool_call_deltas_assemble_into_one_call(client):
+    r = client.chat(user("tool"), stream=False, tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                    tool_choice="auto", parallel_tool_calls=False)
+    assert r.finish_reason == "tool_calls"
+    assert r.tool_calls == [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
+
+
+def test_tokens_request_takes_ids_or_text(client, service):
+    r = client.tokens([5, 6, 7], stream=False, max_tokens=2, return_prompt_ids=True)
+    assert (r.content, r.finish_reason, r.prompt_ids) == ("5 6", "length", [5, 6, 7])
+    req = service.requests[-1]
+    assert isinstance(req, TextRequest) and req.prompt == [5, 6, 7] and req.api == "zmq"
+    assert client.tokens("AB", stream=False).content == "65 66"
+    assert service.requests[-1].max_tokens == 16          # the /v1/completions default
+
+
+def test_count_tokens_models_health(client):
+    assert client.count_tokens(user("abcd")) == 7
+    assert client.models() == [{"id": "fake-model", "max_context": 4096}]
+    h = client.health()
+    assert h["status"] == "ok" and h["protocol"] == PROTOCOL_VERSION and h["model"] == "fake-model"
+
+
+def test_concurrent_requests_from_one_client_interleave(client, service):
+    streams = [client.chat(user(f"echo {i}")) for i in range(6)] + [client.chat(user("forever"))]
+    forever = streams.pop()
+    first = [next(iter(forever)) for _ in range(3)]           # interleave with the infinite one
+    for i, s in reversed(list(enumerate(streams))):
+        assert [d.text for d in s] == [f"echo {i}"] and s.result.finish_reason == "stop"
+    assert [d.text for d in first] == ["x"] * 3
+    forever.close()
+    assert service.closed.wait(WAIT_S)
+
+
+def test_async_client_runs_requests_concurrently(server):
+    async def main():
+        async with AsyncZmqClient(server.endpoint, timeout_s=WAIT_S) as c:
+            results = await asyncio.gather(*(c.chat(user(f"a{i}"), stream=False) for i in range(8)))
+            assert [r.content for r in results] == [f"a{i}" for i in range(8)]
+            stream = await c.chat(user("hello"))
+            assert [d.text async for d in stream] == ["hmm", "Hel", "lo"]
+            assert stream.result.finish_reason == "stop"
+            assert await c.count_tokens(user("ab")) == 5
+            with pytest.raises(ZmqAPIError) as e:
+                await c.chat(user("overflow"))
+            assert e.value.kind == "context_length_exceeded"
+    asyncio.run(main())
+
+
+def test_cancel_mid_stream_closes_the_generator(client, service):
+    stream = client.chat(user("forever"))
+    it = iter(stream)
+    assert next(it).text == "x"
+    stream.cancel()
+    rest = list(it)                                            # ends with the server's finish
+    assert all(d.text == "x" for d in rest)
+    assert stream.result.finish_reason == "cancelled" and stream.result.usage["prompt_tokens"] == 10
+    assert service.closed.wait(WAIT_S) and service.close_exc[0] in ("CancelledError", "GeneratorExit")
+    assert client.chat(user("after"), stream=False).content == "after"
+
+
+def test_cancel_before_the_request_runs_still_finishes(server):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(server.endpoint)
+        sock.send_multipart([pack(type="chat", id=1, messages=user("forever"))])
+        sock.send(pack(type="cancel", id=1))
+        replies = []
+        while not replies or replies[-1]["type"] not in ("finish", "error"):
+            assert sock.poll(int(WAIT_S * 1000))
+            replies.append(msgpack.unpackb(sock.recv(), raw=False))
+        assert replies[-1]["type"] == "finish" and replies[-1]["finish_reason"] == "cancelled"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_client_disconnect_closes_the_generator(server, service):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    sock.send(pack(type="chat", id="gone", messages=user("forever")))
+    assert sock.poll(int(WAIT_S * 1000)) and service.opened.wait(WAIT_S)
+    sock.close()
+    ctx.term()
+    assert service.closed.wait(WAIT_S)
+    assert service.close_exc == ["GeneratorExit"]             # closed at a yield by aclose()
+
+
+@pytest.mark.parametrize("body, status, kind, param", [
+    (b"\xc1\x00garbage", 400, "invalid_request", ""),
+    (msgpack.packb([1, 2]), 400, "invalid_request", ""),
+    (msgpack.packb({"v": 1, "type": "health"}), 400, "invalid_request", "id"),
+    (pack(type="health", id=[1]), 400, "invalid_request", "id"),
+    (msgpack.packb({"v": 99, "type": "health", "id": 1}), 400, "invalid_request", "v"),
+    (pack(type="teleport", id=1), 404, "not_found", "type"),
+    (pack(type="chat", id=1), 400, "invalid_request", "messages"),
+    (pack(type="chat", id=1, messages=[{"content": "no role"}]), 400, "invalid_request", "messages.0"),
+    (pack(type="chat", id=1, messages=user("x"), max_tokens=0), 400, "invalid_request", "max_tokens"),
+    (pack(type="chat", id=1, messages=user("x"), temperature="hot"), 400, "invalid_request", "temperature"),
+    (pack(type="chat", id=1, messages=user("x"), stop=["a", 3]), 400, "invalid_request", "stop.1"),
+    (pack(type="chat", id=1, messages=user("overflow")), 400, "context_length_exceeded", "messages"),
+    (pack(type="tokens", id=1, prompt=[]), 400, "invalid_request", "prompt"),
+    (pack(type="tokens", id=1, prompt=[1, -2]), 400, "invalid_request", "prompt"),
+    (pack(type="count_tokens", id=1, messages="hi"), 400, "invalid_request", "messages"),
+    (pack(type="chat", id=1, messages=user("x"), client="has space"), 400, "invalid_request", "client"),
+])
+def test_bad_request_gets_an_error_and_the_server_keeps_serving(server, client, body, status, kind, param):
+    reply = raw_exchange(server.endpoint, body)
+    assert reply["type"] == "error" and reply["v"] == PROTOCOL_VERSION
+    assert (reply["status"], reply["kind"], reply["param"] or "") == (status, kind, param), reply
+    assert reply["id"] == (1 if status == 404 or param not in ("", "id") else None)
+    assert client.health()["status"] == "ok"
+
+
+def test_client_label_rule_is_the_http_one():
+    from server import app, zmq_api
+    assert zmq_api.CLIENT_LABEL.pattern == app.CLIENT_LABEL.pattern
+
+
+def test_error_after_start_is_sent_in_band(client):
+    stream = client.chat(user("fail"))
+    it = iter(stream)
+    assert next(it).text == "partial"
+    with pytest.raises(ZmqAPIError) as e:
+        next(it)
+    assert (e.value.status, e.value.kind, e.value.should_retry) == (503, "unavailable", True)
+
+
+def test_api_key_is_required_on_every_request(service):
+    srv = ZmqServer(service, "tcp://127.0.0.1:*", api_key="s3cret")
+    srv.start()
+    try:
+        for key in (None, "wrong"):
+            with ZmqClient(srv.endpoint, api_key=key, timeout_s=WAIT_S) as c:
+                for call in (c.health, lambda: c.chat(user("hello"))):
+                    with pytest.raises(ZmqAPIError) as e:
+                        call()
+                    assert (e.value.status, e.value.kind) == (401, "authentication")
+        with ZmqClient(srv.endpoint, api_key="s3cret", timeout_s=WAIT_S) as c:
+            assert c.chat(user("hello"), stream=False).content == "Hello"
+    finally:
+        srv.stop()
+
+
+def test_stop_ends_requests_in_flight_with_503(service):
+    srv = ZmqServer(service, "tcp://127.0.0.1:*")
+    srv.start()
+    with ZmqClient(srv.endpoint, timeout_s=WAIT_S) as c:
+        it = iter(c.chat(user("forever")))
+        next(it)
+        srv.stop()
+        with pytest.raises(ZmqAPIError) as e:
+            for _ in it:
+                pass
+        assert (e.value.status, e.value.kind) == (503, "unavailable")
+    assert service.closed.is_set()
+
+
+def test_start_inside_a_running_loop_serves_from_that_loop(service):
+    async def main():
+        srv = ZmqServer(service, "tcp://127.0.0.1:*")
+        srv.start()
+        assert srv._thread is None
+        async with AsyncZmqClient(srv.endpoint, timeout_s=WAIT_S) as c:
+            assert (await c.chat(user("hello"), stream=False)).content == "Hello"
+        await srv.aclose()
+    asyncio.run(main())
+
+
+def test_bind_failure_raises_from_start(server, service):
+    with pytest.raises(zmq.ZMQError):
+        ZmqServer(service, server.endpoint).start()
+
+
+def test_real_tiny_engine_through_zmq(tmp_path):
+    from ranks.random_checkpoint import write_random_checkpoint
+    from runtime import Engine, EngineOptions
+    from runtime.tokenizer import Tokenizer, generation_defaults
+    from server.service import Service
+
+    write_random_checkpoint(tmp_path, "tiny", seed=0, dtype="float32", progress=False)
+    options = EngineOptions(max_concurrency=4, max_context=1024, prefill_chunk=64, threads_per_rank=1)
+    engine = Engine.start(tmp_path, tp=1, options=options)
+    service = Service(engine, Tokenizer.from_dir(tmp_path), "tiny", 1024, generation_defaults(tmp_path))
+    srv = ZmqServer(service, "tcp://127.0.0.1:*", api_key="k")
+    srv.start()
+    try:
+        with ZmqClient(srv.endpoint, api_key="k", timeout_s=60) as c:
+            assert c.health()["model"] == "tiny" and c.models()[0]["id"] == "tiny"
+            messages = user("Say hello")
+            n_prompt = c.count_tokens(messages)
+            greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+            whole = c.chat(messages, stream=False, **greedy)
+            stream = c.chat(messages, **greedy)
+            parts = list(stream)
+            assert stream.result.prompt_tokens == whole.prompt_tokens == n_prompt
+            assert "".join(d.text for d in parts if d.kind == "reasoning") == whole.reasoning == stream.result.reasoning
+            assert stream.result.content == whole.content and whole.finish_reason == "length"
+            assert whole.usage["completion_tokens"] == 12 and whole.usage["prompt_tokens"] == n_prompt
+
+            out = c.tokens([1, 2, 3], stream=False, max_tokens=5, temperature=0, ignore_eos=True,
+                           return_prompt_ids=True)
+            assert out.prompt_ids == [1, 2, 3] and out.usage["completion_tokens"] == 5
+
+            long = c.chat(messages, max_tokens=900, temperature=0, ignore_eos=True)
+            next(iter(long))
+            long.cancel()
+            list(long)
+            assert long.result.finish_reason == "cancelled"
+            c.chat(messages, stream=False, **greedy)        # the engine drained the cancel before this one
+            assert engine.stats()["cancelled"] == 1 and engine.stats()["running"] == 0
+
+            with pytest.raises(ZmqAPIError) as e:
+                c.chat(user("word " * 2000))
+            assert (e.value.status, e.value.code) == (400, "context_length_exceeded")
+    finally:
+        srv.stop()
+        service.shutdown()
