@@ -13,6 +13,7 @@ submissions are refused; whoever owns the engine (``tandem serve``) then exits n
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import queue
 import random
@@ -67,6 +68,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._closed = False             # set (under _lock) once the loop stops taking requests
         self._tmp = tempfile.mkdtemp(prefix="tandem-")
         self._addr = f"ipc://{self._tmp}/ctl"
         self._ctx = zmq.Context()
@@ -206,8 +208,13 @@ class Coordinator:
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         V = self.spec.vocab_size
+        try:
+            prompt = [operator.index(t) for t in prompt]       # ints, numpy integers; not floats or strings
+        except TypeError:
+            bad = next(t for t in prompt if not hasattr(type(t), "__index__"))
+            raise ValueError(f"prompt token id {bad!r} is not an integer") from None
         for t in prompt:
-            if not isinstance(t, int) or not 0 <= t < V:
+            if not 0 <= t < V:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
         if len(prompt) >= self.config.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.config.max_context} "
@@ -224,10 +231,13 @@ class Coordinator:
             raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV; the pool holds "
                              f"{self.config.kv_pages * PAGE_SIZE}")
         with self._lock:
+            # checked again under the lock: once _fail has drained the inbox nothing may enter it
+            if self._closed or self.failure:
+                raise EngineError(f"the engine is not serving: {self.failure or 'shut down'}")
             if self.scheduler.usage()["waiting"] + self.inbox.qsize() >= self.config.max_pending:
                 raise Overloaded(f"too many waiting requests (max_pending {self.config.max_pending})")
             self.streams[seq.id] = stream
-        self.inbox.put(("submit", seq))
+            self.inbox.put(("submit", seq))
 
     def cancel(self, request_id: int) -> None:
         self.inbox.put(("cancel", request_id))
@@ -252,6 +262,9 @@ class Coordinator:
                 if plan is None:
                     continue
                 self._run(plan)
+            # shutdown() sets _stopping too, so the loop can end here before it has read the "shutdown"
+            # item: end what is still running or queued (a no-op when _drain already did)
+            self._fail("the engine was shut down", status=Status.CANCELLED)
         except _RankFailure as e:
             self._fail(str(e))
         except Exception as e:                           # a bug here must not hang the clients
@@ -299,7 +312,9 @@ class Coordinator:
         new_sampling = {}
         for s in plan.new:
             p = s.params
-            new_sampling[s.id] = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            # top_k >= vocab keeps everything; clamped so any int fits the message's 64-bit integers
+            new_sampling[s.id] = dict(temperature=p.temperature, top_k=min(p.top_k, self.spec.vocab_size),
+                                      top_p=p.top_p, min_p=p.min_p,
                                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                       repetition_penalty=p.repetition_penalty, seed=s.seed, prompt_len=len(s.prompt))
         step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, **arrays)
@@ -311,12 +326,12 @@ class Coordinator:
         sampled = dict(zip(result.seq_ids.tolist(), result.tokens.tolist()))
         with self._lock:
             events = self.scheduler.commit(plan, sampled)
-        for s, token, reason in events:
-            self.counters["generated_tokens"] += 1
+        for s, tokens, reason in events:
+            self.counters["generated_tokens"] += len(tokens)
             if reason is None:
-                self.streams[s.id]._push(Event(s.id, [token]))
+                self.streams[s.id]._push(Event(s.id, tokens))
             else:
-                self._finish(s, last_token=token)
+                self._finish(s, last_tokens=tokens)
 
     def _await_result(self, step: int) -> msg.StepResult:
         while True:
@@ -363,12 +378,13 @@ class Coordinator:
 
     # ---- endings ------------------------------------------------------------------------------------
 
-    def _finish(self, s: Sequence, last_token: int | None = None) -> None:
+    def _finish(self, s: Sequence, last_tokens: list[int] | None = None) -> None:
         stream = self.streams.pop(s.id, None)
         self.seqs.pop(s.id, None)
         now = time.monotonic()
         usage = dict(prompt_tokens=len(s.prompt), completion_tokens=len(s.output))
-        timings = dict(ttft_s=(s.first_token_at - s.submitted_at) if s.first_token_at else None,
+        timings = dict(queue_s=(s.admitted_at - s.submitted_at) if s.admitted_at else None,
+                       ttft_s=(s.first_token_at - s.submitted_at) if s.first_token_at else None,
                        total_s=now - s.submitted_at)
         if s.status == Status.FAILED:
             self.counters["failed"] += 1
@@ -378,7 +394,7 @@ class Coordinator:
             self.counters["finished"] += 1
             self.counters["prompt_tokens"] += len(s.prompt)
         if stream is not None:
-            tokens = [last_token] if last_token is not None else []
+            tokens = list(last_tokens or [])
             reason = s.finish_reason if s.status != Status.FAILED else None
             stream._push(Event(s.id, tokens, finish_reason=reason, error=s.error if s.status == Status.FAILED else None,
                                usage=usage, timings=timings))
@@ -396,22 +412,24 @@ class Coordinator:
                     except ProcessLookupError:
                         pass
         with self._lock:
+            self._closed = True            # submit() refuses from now on, so the drain below is the last
             pending = list(self.seqs.values())
             for s in pending:
                 self.scheduler.cancel(s, Status.FAILED if status == Status.FAILED else Status.CANCELLED, reason)
                 if status != Status.FAILED:
                     s.finish_reason = "cancelled"
-        for s in pending:
+            # a submit that raced the failure is still in the inbox: answer it too
+            raced = []
+            while True:
+                try:
+                    kind, value = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    value.status, value.error = Status.FAILED, reason
+                    raced.append(value)
+        for s in pending + raced:
             self._finish(s)
-        # a submit that raced the failure is still in the inbox: answer it too
-        while True:
-            try:
-                kind, value = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "submit":
-                value.status, value.error = Status.FAILED, reason
-                self._finish(value)
 
 
 class _RankFailure(RuntimeError):

@@ -23,6 +23,12 @@ class SamplingParams:
     max_new_tokens: int = 256
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
+    # Thinking budget: after `thinking_budget` generated tokens without one of `thinking_end_ids`
+    # (e.g. the id of "</think>"), the next token is replaced by `thinking_close_ids` (e.g. the ids of
+    # "\n</think>\n\n"), inserted without sampling. None = no budget.
+    thinking_budget: int | None = None
+    thinking_end_ids: tuple[int, ...] = field(default=())
+    thinking_close_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
@@ -34,7 +40,14 @@ class SamplingParams:
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "in (0, 10]")
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
                self.max_new_tokens, "an integer >= 1")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
+        # the seed travels to the ranks in msgpack, whose integers are 64-bit
+        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64), "seed", self.seed,
+               "an integer in [-2**63, 2**64)")
+
+        _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
+               "thinking_budget", self.thinking_budget, "an integer >= 0")
+        _check(self.thinking_budget is None or bool(self.thinking_close_ids), "thinking_close_ids",
+               self.thinking_close_ids, "non-empty when thinking_budget is set")
 
     @property
     def greedy(self) -> bool:

@@ -127,10 +127,10 @@ class Scheduler:
         new = self._admit()
         budget = self.config.max_step_tokens
         seqs, columns, sample = [], [], []
-        for s in self.running:                          # decodes first: one column each
-            if not s.prefilling:
-                seqs.append(s), columns.append(1), sample.append(True)
-                budget -= 1
+        for s in self.running:                          # decodes first: the unfed tokens (one, or more
+            if not s.prefilling:                        # after forced close-of-thinking tokens)
+                seqs.append(s), columns.append(s.unfed), sample.append(True)
+                budget -= s.unfed
         for s in self.running:                          # then prefill chunks, oldest first
             if s.prefilling and budget > 0:
                 n = min(self.config.prefill_chunk, len(s.prompt) - s.computed, budget)
@@ -144,10 +144,10 @@ class Scheduler:
         self.step += 1
         return Plan(self.step, seqs, columns, sample, new=new, released=released)
 
-    def commit(self, plan: Plan, sampled: dict[int, int]) -> list[tuple[Sequence, int | None, str | None]]:
+    def commit(self, plan: Plan, sampled: dict[int, int]) -> list[tuple[Sequence, list[int], str | None]]:
         """Apply a step's result: advance, append sampled tokens, finish what is complete.
 
-        Returns (sequence, new token or None, finish reason or None) for sequences that got a token.
+        Returns (sequence, tokens added, finish reason or None) for sequences that got tokens.
         """
         events = []
         for s, c in zip(plan.seqs, plan.columns):
@@ -157,12 +157,12 @@ class Scheduler:
             token = sampled.get(s.id)
             if token is None:
                 continue
-            reason = s.append(token)
+            added, reason = s.accept(token)
             if reason is not None:
                 s.finish_reason = reason
                 self._release(s)
                 s.status, s.finished_at = Status.FINISHED, time.monotonic()
-            events.append((s, token, reason))
+            events.append((s, added, reason))
         return events
 
     # ---- internals --------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class Scheduler:
             self.waiting.popleft()
             s.slot = self.free_slots.pop()
             s.pages = [self.free_pages.pop() for _ in range(need)]
-            s.status = Status.RUNNING
+            s.status, s.admitted_at = Status.RUNNING, time.monotonic()
             self.running.append(s)
             new.append(s)
         return new

@@ -36,8 +36,14 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    thinking: bool = False             # inside a budgeted reasoning section
+    reasoning_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.thinking = self.params.thinking_budget is not None
 
     @property
     def length(self) -> int:
@@ -48,6 +54,11 @@ class Sequence:
         return self.computed < len(self.prompt)
 
     @property
+    def unfed(self) -> int:
+        """Known tokens not yet in the ranks' state (1 after a sample; more after forced tokens)."""
+        return self.length - self.computed
+
+    @property
     def done(self) -> bool:
         return self.status >= Status.FINISHED
 
@@ -56,7 +67,7 @@ class Sequence:
         return self.prompt[i] if i < n else self.output[i - n]
 
     def append(self, token: int) -> str | None:
-        """Add a sampled token; return the finish reason if the sequence is now complete."""
+        """Add a token; return the finish reason if the sequence is now complete."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.output.append(token)
@@ -65,3 +76,26 @@ class Sequence:
         if len(self.output) >= self.max_new_tokens:
             return "length"
         return None
+
+    def accept(self, sampled: int) -> tuple[list[int], str | None]:
+        """Take a sampled token, applying the thinking budget: returns (tokens added, finish reason).
+
+        Inside a budgeted reasoning section, a token that ends reasoning ends it; once the budget is
+        spent, the sampled token is replaced by the close-of-thinking tokens (not sampled).
+        """
+        p = self.params
+        tokens = [sampled]
+        if self.thinking:
+            if sampled in p.thinking_end_ids:
+                self.thinking = False
+            elif self.reasoning_tokens >= (p.thinking_budget or 0):
+                tokens, self.thinking = list(p.thinking_close_ids), False
+            else:
+                self.reasoning_tokens += 1
+        added = []
+        for t in tokens:
+            added.append(t)
+            reason = self.append(t)
+            if reason is not None:
+                return added, reason
+        return added, None

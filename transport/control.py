@@ -85,8 +85,10 @@ class Message:
 
         try:
             body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+            if not isinstance(body, dict):
+                raise TypeError(f"the body is a {type(body).__name__}, not a map of fields")
             return cls(**{k: dec(v) for k, v in body.items()})
-        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as e:
+        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as e:
             raise ProtocolError(f"cannot decode {cls.__name__}: {e}") from e
 
 

@@ -10,7 +10,8 @@ Every payload word carries 4 data bytes (a float32) in its low half and the 4-by
 exchange that wrote it in its high half, so a reader knows a word is current by looking at the word
 itself: no flags, no fences, no reset between uses. Exchange e writes slot e % 2; a rank can only
 reach exchange e + 2 (the same slot again) after every peer has finished e + 1, hence after every
-peer has finished reading e. Epochs grow monotonically (32 bits; 0 is never used).
+peer has finished reading e. Epochs grow monotonically (32 bits; 0 is never used) and wrap from
+2**32 - 2 to 1 (an even period, so slots keep alternating); each rank clears its stale words then.
 
 Sums are float32 in rank order 0, 1, ..., N-1 on every rank, so every rank holds bit-identical
 results. A rank that waits longer than `timeout_s` for a peer sets the sticky hang word and raises
@@ -108,10 +109,16 @@ class Mailbox:
     # ----------------------------------------------------------------------------------------------
 
     def _exchange_piece(self, x: np.ndarray) -> np.ndarray:
-        self.epoch = self.epoch % 0xFFFF_FFFF + 1
+        # 1 .. 2**32 - 2: an even count, so the slots keep alternating across the wrap (2**32 - 1 -> 1 would
+        # write slot 1 twice in a row while a slow peer may still be reading it)
+        self.epoch = self.epoch % 0xFFFF_FFFE + 1
         e = np.uint64(self.epoch)
         slot = self.epoch % 2
         n = x.size
+        if self.epoch <= 2:
+            # first use of this slot, or first use after a wrap: words that no exchange has overwritten since
+            # the last pass still carry this epoch; clear them (every peer is done with this slot's last data)
+            self.slots[self.rank, slot, :] = 0
         self.slots[self.rank, slot, :n] = (e << np.uint64(32)) | x.view(np.uint32).astype(np.uint64)
         out = np.empty((self.tp, n), dtype=np.float32)
         out[self.rank] = x
