@@ -1,0 +1,101 @@
+"""A real two-turn agent exchange with the embedded demo model through each chat API's official SDK.
+
+Turn 1: the user asks for the weather with a get_weather tool offered; the model reasons, then calls
+the tool (finish reason tool_calls / tool_use, arguments parsed from its Qwen XML into JSON).
+Turn 2: the tool result goes back in each API's own shape; the model answers with the result and
+ends its turn (finish reason stop / end_turn / completed). Greedy, so the exchange is deterministic.
+"""
+
+import json
+import os
+
+import pytest
+
+from ranks.demo import PACKAGED_DIR
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(PACKAGED_DIR, "config.json")),
+                                reason="no packaged demo model")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+PARAMS = {"type": "object", "required": ["location"],
+          "properties": {"location": {"type": "string", "description": "City name, e.g. Paris"},
+                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+DESCRIPTION = "Get the current weather for a location."
+RESULT = {"location": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny", "humidity": 40,
+          "wind_kph": 10}
+QUESTION = "What's the weather like in Paris?"
+
+
+@pytest.fixture(scope="module")
+def url():
+    from runtime import Engine, EngineOptions
+    from runtime.tokenizer import Tokenizer, generation_defaults
+    from server.app import create_app
+    from server.service import Service
+    from tests.scripted_service import serve
+
+    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(max_concurrency=4, max_context=4096,
+                                                                     threads_per_rank=1))
+    service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", 4096, generation_defaults(PACKAGED_DIR))
+    try:
+        with serve(create_app(service), lifespan="on") as base:
+            yield base
+    finally:
+        service.shutdown()
+
+
+def _answer_uses_the_result(text: str) -> None:
+    assert text and "18" in text and "sunny" in text.lower(), text
+
+
+def test_openai_chat_tool_round_trip(url):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    tool = {"type": "function", "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMS}}
+    messages = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(model="demo", messages=messages, tools=[tool], temperature=0, max_tokens=200)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["location"] == "Paris"
+    messages += [{"role": "assistant", "content": choice.message.content or "",
+                  "tool_calls": [c.model_dump() for c in choice.message.tool_calls]},
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps(RESULT)}]
+    second = client.chat.completions.create(model="demo", messages=messages, tools=[tool], temperature=0,
+                                            max_tokens=200)
+    assert second.choices[0].finish_reason == "stop"
+    _answer_uses_the_result(second.choices[0].message.content)
+
+
+def test_anthropic_messages_tool_round_trip(url):
+    client = anthropic.Anthropic(base_url=url, api_key="unused")
+    tool = {"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMS}
+    messages = [{"role": "user", "content": QUESTION}]
+    first = client.messages.create(model="demo", max_tokens=200, messages=messages, tools=[tool],
+                                   extra_body={"temperature": 0})
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert use.name == "get_weather" and use.input["location"] == "Paris"
+    assert any(b.type == "thinking" and "weather" in b.thinking for b in first.content)
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": json.dumps(RESULT)}]}]
+    second = client.messages.create(model="demo", max_tokens=200, messages=messages, tools=[tool],
+                                    extra_body={"temperature": 0})
+    assert second.stop_reason == "end_turn"
+    _answer_uses_the_result("".join(b.text for b in second.content if b.type == "text"))
+
+
+def test_openai_responses_tool_round_trip(url):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    tool = {"type": "function", "name": "get_weather", "description": DESCRIPTION, "parameters": PARAMS}
+    first = client.responses.create(model="demo", input=QUESTION, tools=[tool], temperature=0, max_output_tokens=200)
+    assert first.status == "completed"
+    call = next(o for o in first.output if o.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments)["location"] == "Paris"
+    second = client.responses.create(model="demo", previous_response_id=first.id, tools=[tool], temperature=0,
+                                     max_output_tokens=200,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": json.dumps(RESULT)}])
+    assert second.status == "completed"
+    _answer_uses_the_result(second.output_text)
