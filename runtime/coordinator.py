@@ -115,7 +115,8 @@ class Coordinator:
         self._shm = create_segment(self.tp, self.mailbox_words)
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        threads = self.options.threads_per_rank or max(1, (os.cpu_count() or 1) // self.tp)
+        # one torch thread per rank unless asked: on small CPU models more threads were slower (docs/perf.md)
+        threads = self.options.threads_per_rank or 1
         env.setdefault("OMP_NUM_THREADS", str(threads))
         for r in range(self.tp):
             self.procs.append(subprocess.Popen(

@@ -43,7 +43,7 @@ class EngineOptions:
     startup_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 10.0
     mailbox_timeout_s: float = 60.0
-    threads_per_rank: int | None = None  # torch threads per rank process; default cores // tp
+    threads_per_rank: int | None = None  # torch threads per rank process; default 1 (see docs/perf.md)
     log_level: str = "WARNING"
 
 

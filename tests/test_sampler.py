@@ -1,0 +1,429 @@
+"""ranks.sampler: the Gumbel-max sampler against independent float64 formulas.
+
+* Distribution: sample_rows on one fixed logits row with 20,000 different (seed, position) keys
+  draws from softmax(logits / T) truncated by top-k / top-p / min-p and renormalised, computed
+  here in numpy float64 without the sampler's code; checked with a chi-square test (p > 1e-4) and
+  an exact support check, at tp 1 and at a simulated tp 2 (two threads, each with its vocabulary
+  shard, and a gather that stacks the shards), whose draws must equal tp 1's token for token.
+* Greedy is the exact argmax, ties to the lower id (also across shards).
+* top-p keeps the smallest prefix whose mass reaches p; min-p keeps p >= min_p * p_max.
+* Penalties (repetition over prompt + output, presence / frequency over output) against values
+  computed by hand, on a whole row and on shards.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ranks.sampler import SeqSampler, apply_penalties, filtered_log_probs, gumbel_noise, sample_rows
+
+try:                                    # scipy is not a test dependency: fall back to the formulas below
+    from scipy import stats
+except ImportError:                     # pragma: no cover - depends on the environment
+    stats = None
+
+V = 64
+DRAWS = 20_000
+P_MIN = 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def expected_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> np.ndarray:
+    """The intended distribution in float64: softmax(l / T), then top-k, top-p and min-p, renormalised."""
+    x = logits.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = np.ones_like(p, dtype=bool)
+    if 0 < top_k < p.size:
+        keep[np.argsort(-p, kind="stable")[top_k:]] = False
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        n = int(np.searchsorted(cum, top_p) + 1)          # smallest prefix whose mass reaches top_p
+        drop = order[n:]
+        p[drop] = 0.0
+        p /= p.sum()
+    if min_p > 0.0:
+        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(chi-square(dof) >= x) = Q(dof / 2, x / 2), the regularized upper incomplete gamma function
+    (series below a + 1, Lentz's continued fraction above; Numerical Recipes 6.2)."""
+    a, z = dof / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    log_front = -z + a * math.log(z) - math.lgamma(a)
+    if z < a + 1:
+        term = total = 1.0 / a
+        n = 0
+        while abs(term) > abs(total) * 1e-16 and n < 10_000:
+            n += 1
+            term *= z / (a + n)
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b = z + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def ks_pvalue(sample: np.ndarray, cdf) -> float:
+    """One-sample Kolmogorov-Smirnov p-value (asymptotic Kolmogorov distribution, Stephens' correction)."""
+    x = np.sort(sample)
+    n = x.size
+    f = cdf(x)
+    d = max(float((np.arange(1, n + 1) / n - f).max()), float((f - np.arange(n) / n).max()))
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
+    return min(1.0, max(0.0, p))
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square over the support, bins with expected count < 5 pooled together."""
+    n = counts.sum()
+    support = probs > 0
+    exp, obs = probs[support] * n, counts[support]
+    big = exp >= 5
+    e, o = list(exp[big]), list(obs[big])
+    if (~big).any():
+        e.append(exp[~big].sum()), o.append(obs[~big].sum())
+        if e[-1] < 5 and len(e) > 2:                   # fold a thin remainder into the smallest bin
+            i = int(np.argmin(e[:-1]))
+            e[i] += e.pop()
+            o[i] += o.pop()
+    o, e = np.array(o, dtype=float), np.array(e, dtype=float)
+    if stats is not None:
+        return float(stats.chisquare(o, e).pvalue)
+    return chi2_sf(float(((o - e) ** 2 / e).sum()), len(e) - 1)
+
+
+class StackGather:
+    """A gather for `tp` threads: every rank gets [tp, *shape] with row r from rank r."""
+
+    def __init__(self, tp: int):
+        self.tp, self.parts, self.barrier = tp, [None] * tp, threading.Barrier(tp, timeout=120)
+
+    def for_rank(self, r: int):
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            self.parts[r] = t.clone()
+            self.barrier.wait()
+            out = torch.stack(self.parts)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def sample_tp(logits: torch.Tensor, make_samplers, positions: list[int], tp: int) -> list[list[int]]:
+    """sample_rows on `tp` simulated ranks (threads), each with its vocabulary shard; every rank's tokens."""
+    if tp == 1:
+        return [sample_rows(logits, make_samplers(), positions, rank=0, tp=1, gather=None, vocab=logits.shape[1])]
+    n = logits.shape[1] // tp
+    g = StackGather(tp)
+    out: list = [None] * tp
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = sample_rows(logits[:, r * n:(r + 1) * n].contiguous(), make_samplers(), positions, rank=r,
+                                 tp=tp, gather=g.for_rank(r), vocab=logits.shape[1])
+        except BaseException as e:       # pragma: no cover - reported below
+            errors.append(e)
+            g.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def fixed_row(seed: int) -> torch.Tensor:
+    """A logits row with a spread-out distribution (evenly spaced values, jittered and shuffled:
+    no ties, and every filter below keeps several tokens whatever the seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.linspace(3.0, -3.0, V, dtype=torch.float64) + 0.03 * torch.randn(V, generator=gen, dtype=torch.float64)
+    return row[torch.randperm(V, generator=gen)].float()
+
+
+def keys(seed: int, n: int) -> tuple[list[int], list[int]]:
+    """n distinct (seed, position) keys: seeds and positions both vary."""
+    seeds = [seed * 1000 + i // 8 for i in range(n)]
+    positions = [(i % 8) * 131 + (i // 8) % 5 for i in range(n)]
+    return seeds, positions
+
+
+# --------------------------------------------------------------------------------------------------
+# Distribution
+
+
+CASES = [
+    dict(temperature=0.6),                           # per-token path: local candidates, one exchange
+    dict(temperature=1.3, top_k=7),                  # full-distribution path from here on
+    dict(temperature=0.8, top_p=0.7),
+    dict(temperature=1.0, min_p=0.08),
+    dict(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02),
+]
+# tp 2 runs in two threads under one GIL (twice the cost of tp 1): all keys for the combined case,
+# the first TP2_SUBSET keys (token-for-token equal to tp 1, hence the same distribution) for the others
+TP2_SUBSET = 5000
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_sampling_draws_from_the_intended_distribution(case, seed):
+    row = fixed_row(seed)
+    probs = expected_probs(row.numpy(), case["temperature"], case.get("top_k", 0), case.get("top_p", 1.0),
+                           case.get("min_p", 0.0))
+    assert (probs > 0).sum() >= 3, "degenerate case: too few tokens survive to test a distribution"
+    seeds, positions = keys(seed, DRAWS)
+    logits = row.expand(DRAWS, V).contiguous()
+
+    def make():
+        return [SeqSampler(seed=s, **case) for s in seeds]
+
+    tp1 = sample_tp(logits, make, positions, 1)[0]
+    counts = np.bincount(tp1, minlength=V)
+    outside = np.flatnonzero((counts > 0) & (probs == 0))
+    assert outside.size == 0, f"drew tokens {outside.tolist()} that the filters remove"
+    pv = chi_square_pvalue(counts, probs)
+    assert pv > P_MIN, f"{case}: chi-square p-value {pv:.2e} (observed {counts[probs > 0].tolist()}, " \
+                       f"expected {(probs[probs > 0] * DRAWS).round(1).tolist()})"
+
+    m = DRAWS if case is CASES[-1] else TP2_SUBSET
+    ranks = sample_tp(logits[:m], lambda: make()[:m], positions[:m], 2)
+    assert ranks[0] == ranks[1], "the two ranks disagree"
+    assert ranks[0] == tp1[:m], "tp 2 draws differ from tp 1 for the same (seed, position) keys"
+    if m == DRAWS:
+        pv2 = chi_square_pvalue(np.bincount(ranks[0], minlength=V), probs)
+        assert pv2 > P_MIN, f"{case}: tp 2 chi-square p-value {pv2:.2e}"
+
+
+def test_draws_depend_only_on_seed_and_position(seed):
+    """The same key gives the same token whatever the row order or the rest of the batch."""
+    row = fixed_row(seed)
+    n = 200
+    seeds, positions = keys(seed, n)
+    case = dict(temperature=1.0, top_p=0.95)
+    logits = row.expand(n, V).contiguous()
+    a = sample_rows(logits, [SeqSampler(seed=s, **case) for s in seeds], positions, rank=0, tp=1, gather=None, vocab=V)
+    perm = np.random.default_rng(seed).permutation(n)
+    b = sample_rows(logits, [SeqSampler(seed=seeds[i], **case) for i in perm], [positions[i] for i in perm], rank=0,
+                    tp=1, gather=None, vocab=V)
+    assert [a[i] for i in perm] == b
+    # mixed batches: greedy and other filters next to it change nothing
+    mixed = [SeqSampler(seed=s, **case) if i % 2 else SeqSampler(temperature=0.0) for i, s in enumerate(seeds)]
+    c = sample_rows(logits, mixed, positions, rank=0, tp=1, gather=None, vocab=V)
+    assert [c[i] for i in range(1, n, 2)] == [a[i] for i in range(1, n, 2)]
+    assert len(set(a)) > 5, "different keys must give different draws"
+
+
+def test_gumbel_noise_is_keyed_and_standard(seed):
+    g = gumbel_noise(seed, 5, 50_000)
+    assert torch.equal(g, gumbel_noise(seed, 5, 50_000))
+    assert not torch.equal(g, gumbel_noise(seed, 6, 50_000)) and not torch.equal(g, gumbel_noise(seed + 1, 5, 50_000))
+    assert torch.equal(gumbel_noise(seed, 5, 100), g[:100]), "a prefix of the vocabulary must see the same noise"
+    # Gumbel(0, 1): compare the empirical CDF with exp(-exp(-x)) (Kolmogorov-Smirnov)
+    pv = ks_pvalue(g.numpy(), lambda x: np.exp(-np.exp(-x)))
+    assert pv > P_MIN
+
+
+def test_fallback_statistics_are_right():
+    """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
+    for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),
+                      (124.342113, 100, 0.05), (0.0, 3, 1.0)]:
+        assert chi2_sf(x, dof) == pytest.approx(p, rel=1e-6, abs=1e-12), (x, dof)
+    rng = np.random.default_rng(0)
+    u = rng.random(5000)
+    assert ks_pvalue(u, lambda x: x) > P_MIN and ks_pvalue(u ** 1.1, lambda x: x) < P_MIN
+    if stats is not None:
+        for dof in (1, 2, 7, 30, 63):
+            for x in (0.1, 1.0, dof * 0.5, dof, dof + 3 * math.sqrt(2 * dof), 4.0 * dof + 20):
+                assert chi2_sf(x, dof) == pytest.approx(stats.chi2.sf(x, dof), rel=1e-9, abs=1e-300)
+        assert ks_pvalue(u, lambda x: x) == pytest.approx(stats.kstest(u, "uniform").pvalue, rel=0.05, abs=1e-3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_greedy_is_exact_argmax_with_ties_to_the_lower_id(tp, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(6, V, generator=gen)
+    best = float(rows.max()) + 1.0
+    rows[1, 40] = rows[1, 3] = best                 # tie across shards: 3 wins
+    rows[2, 17] = rows[2, 9] = best                 # tie inside a shard: 9 wins
+    rows[3, 63] = best                              # the last id
+    rows[4, 0] = best                               # the first id
+    rows[5, 33] = rows[5, 32] = rows[5, 63] = best  # three-way tie in the second half
+    want = [int(np.argmax(rows[0].numpy())), 3, 9, 63, 0, 32]
+    for greedy in (dict(temperature=0.0), dict(temperature=0.7, top_k=1)):
+        got = sample_tp(rows, lambda: [SeqSampler(seed=seed + i, **greedy) for i in range(6)], list(range(6)), tp)
+        assert all(g == want for g in got), f"{greedy}: {got} != {want}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Filters
+
+
+def _kept(logp: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(logp)).flatten().tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3], dtype=torch.float64)      # sorted: 1 (.5), 3 (.3), 2 (.15), 0
+    logits = probs.log()
+    for p, want in [(0.3, {1}), (0.49, {1}), (0.51, {1, 3}), (0.79, {1, 3}), (0.81, {1, 2, 3}), (0.94, {1, 2, 3}),
+                    (0.96, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})]:
+        lp = filtered_log_probs(logits, SeqSampler(temperature=1.0, top_p=p))
+        assert _kept(lp) == want, f"top_p={p}"
+        # kept tokens keep their relative probabilities (the Gumbel argmax renormalises)
+        kept = sorted(want)
+        ratio = (lp[kept] - lp[kept].logsumexp(0)).exp()
+        assert torch.allclose(ratio, probs[kept] / probs[kept].sum(), rtol=1e-12, atol=0)
+
+
+def test_top_p_acts_after_temperature_and_top_k():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    for T, k, p in [(1.0, 0, 0.9), (0.5, 0, 0.9), (3.0, 0, 0.9), (1.0, 2, 0.5), (2.0, 3, 0.99), (0.3, 4, 0.999)]:
+        want = {int(i) for i in np.flatnonzero(expected_probs(logits.numpy(), T, k, p))}
+        assert _kept(filtered_log_probs(logits, SeqSampler(temperature=T, top_k=k, top_p=p))) == want, (T, k, p)
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_best():
+    probs = torch.tensor([0.4, 0.2, 0.1, 0.04, 0.26], dtype=torch.float64)
+    for m, want in [(0.09, {0, 1, 2, 3, 4}), (0.11, {0, 1, 2, 4}), (0.26, {0, 1, 4}), (0.51, {0, 4}),
+                    (0.66, {0}), (1.0, {0})]:
+        assert _kept(filtered_log_probs(probs.log(), SeqSampler(temperature=1.0, min_p=m))) == want, f"min_p={m}"
+    # relative to the tempered distribution: T = 0.5 squares the ratios (0.2/0.4)^2 = 0.25
+    assert _kept(filtered_log_probs(probs.log(), SeqSampler(temperature=0.5, min_p=0.24))) == {0, 1, 4}
+    assert _kept(filtered_log_probs(probs.log(), SeqSampler(temperature=0.5, min_p=0.26))) == {0, 4}
+
+
+def test_top_k_keeps_k_tokens():
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0, 2.5, 0.0], dtype=torch.float64)
+    for k, want in [(1, {1}), (2, {1, 4}), (3, {1, 3, 4}), (6, set(range(6))), (100, set(range(6)))]:
+        assert _kept(filtered_log_probs(logits, SeqSampler(temperature=0.9, top_k=k))) == want
+
+
+# --------------------------------------------------------------------------------------------------
+# Penalties
+
+
+def _sampler_after(prompt: list[int], output: list[int], **kw) -> SeqSampler:
+    s = SeqSampler(prompt_len=len(prompt), **kw)
+    seq = prompt + output
+    at = 0
+    for size in (3, 1, 4, 100):                      # observed in uneven steps, as the plans feed them
+        s.observe(seq[at:at + size], at)
+        at += size
+    assert at >= len(seq)
+    return s
+
+
+def test_penalties_match_hand_computed_values():
+    logits = torch.tensor([2.0, -1.0, 0.5, -0.25, 3.0, 0.0, 1.0, -2.0], dtype=torch.float64)
+    prompt, output = [0, 1, 1, 5], [2, 2, 2, 3, 0]
+    s = _sampler_after(prompt, output, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    assert s.seen == {0: 2, 1: 2, 5: 1, 2: 3, 3: 1}
+    assert s.output == {2: 3, 3: 1, 0: 1}
+    want = torch.tensor([
+        2.0 / 2 - 0.5 - 0.25 * 1,        # 0: prompt and output once: repetition, presence, frequency x1
+        -1.0 * 2,                        # 1: prompt only, negative: repetition multiplies
+        0.5 / 2 - 0.5 - 0.25 * 3,        # 2: output three times
+        -0.25 * 2 - 0.5 - 0.25 * 1,      # 3: output once, negative
+        3.0,                             # 4: never seen
+        0.0 * 2,                         # 5: prompt, zero stays zero
+        1.0, -2.0,                       # 6, 7: never seen
+    ], dtype=torch.float64)
+    got = apply_penalties(logits, s, 0)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), f"{got.tolist()} != {want.tolist()}"
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, -0.25, 3.0, 0.0, 1.0, -2.0], dtype=torch.float64)), \
+        "apply_penalties must not modify its input"
+    # on shards: each shard's slice of the whole-row result
+    for n in (2, 4):
+        w = 8 // n
+        parts = [apply_penalties(logits[r * w:(r + 1) * w], s, r * w) for r in range(n)]
+        assert torch.allclose(torch.cat(parts), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["presence", "frequency", "repetition"])
+def test_each_penalty_alone(which):
+    logits = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    prompt, output = [1, 2], [0, 0, 2]
+    kw = {"presence": dict(presence_penalty=-1.5), "frequency": dict(frequency_penalty=2.0),
+          "repetition": dict(repetition_penalty=0.5)}[which]
+    s = _sampler_after(prompt, output, **kw)
+    want = {"presence": [1.0 + 1.5, 2.0, -1.0 + 1.5, 0.5],         # negative presence rewards output tokens
+            "frequency": [1.0 - 2 * 2.0, 2.0, -1.0 - 2.0, 0.5],
+            "repetition": [1.0 / 0.5, 2.0 / 0.5, -1.0 * 0.5, 0.5]}[which]
+    assert apply_penalties(logits, s, 0).tolist() == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_penalties_steer_greedy_and_sampled_tokens(tp, seed):
+    """Greedy with a frequency penalty picks the hand-computed argmax; on two shards as well."""
+    logits = torch.zeros(1, V)
+    logits[0, 10], logits[0, 50], logits[0, 20] = 5.0, 4.0, 3.9
+    prompt, output = [1, 2, 3], [10, 10]                    # token 10 was generated twice
+    s_kw = dict(temperature=0.0, frequency_penalty=0.6)      # 10: 5.0 - 1.2 = 3.8 < 3.9 < 4.0
+    got = sample_tp(logits, lambda: [_sampler_after(prompt, output, **s_kw)], [5], tp)
+    assert all(g == [50] for g in got)
+    s_kw = dict(temperature=0.0, repetition_penalty=1.5)     # 10: 5 / 1.5 = 3.33; 50 wins
+    got = sample_tp(logits, lambda: [_sampler_after(prompt, [10, 50], **s_kw)], [5], tp)
+    assert all(g == [20] for g in got), "50 is in the output too: 4 / 1.5 = 2.67, so 20 (3.9) wins"
+    # sampled, penalties applied before the temperature: the Gumbel draw equals the one on the penalised row
+    s = _sampler_after(prompt, output, temperature=0.8, presence_penalty=1.0, seed=seed)
+    manual = apply_penalties(logits[0].double(), s, 0) / 0.8 + gumbel_noise(seed, 5, V)
+    got = sample_tp(logits, lambda: [_sampler_after(prompt, output, temperature=0.8, presence_penalty=1.0, seed=seed)],
+                    [5], tp)
+    assert all(g == [int(torch.argmax(manual.float()))] for g in got)
+
+
+def test_observe_counts_output_by_position():
+    """Tokens at positions >= prompt_len are output (whatever step carries them); none counted without penalties."""
+    s = SeqSampler(prompt_len=5, presence_penalty=1.0)
+    s.observe([7, 7, 7], 0)
+    s.observe([7, 8, 9], 3)               # positions 3, 4 (prompt) and 5 (output)
+    s.observe([9], 6)
+    assert s.seen == {7: 4, 8: 1, 9: 2} and s.output == {9: 2}
+    plain = SeqSampler(prompt_len=5)
+    plain.observe([1, 2, 3, 4, 5, 6], 0)
+    assert plain.seen == {} and plain.output == {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny per-row ops: intra-op threads only add overhead (and the test threads share the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
