@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server.disconnect import Guarded, until_disconnect
+from server.generation import collect_into
 from server.errors import anthropic_error_body
 from server.params import read_json
 from server.reasoning_seal import ReasoningSeal
@@ -505,21 +506,7 @@ class MessagesAPI:
         return JSONResponse(builder.message())
 
     async def _collect(self, prepared: Prepared, builder: MessageBuilder) -> None:
-        agen = self.service.generate(prepared)
-        try:
-            async for delta in agen:
-                if isinstance(delta, Finish):
-                    builder.finish(delta)
-                    return
-                builder.feed(delta)
-        except APIError:
-            raise
-        except Exception as e:
-            log.exception("generation failed")
-            raise APIError(500, "internal", f"internal error: {e}") from e
-        finally:
-            await agen.aclose()
-        raise APIError(500, "internal", "generation ended without a finish")
+        await collect_into(self.service, prepared, builder)
 
     async def _events(self, prepared: Prepared, builder: MessageBuilder) -> AsyncIterator[bytes]:
         agen = self.service.generate(prepared)

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.disconnect import ClientGone
-from server.errors import error_response, family
+from server.errors import error_response
 from server.service import APIError, RequestContext, Service, current_request
 
 log = logging.getLogger(__name__)

@@ -278,3 +278,23 @@ class _Run:
             self.recorded = True
             self.service.request_aborted(self.prepared, self.n_out)
         self.service.request_closed(self.prepared)
+
+
+async def collect_into(service, prepared: Prepared, builder) -> None:
+    """Run a request to its end, feeding every delta to `builder` (``feed(delta)``, then
+    ``finish(Finish)``): the non-streaming path of the adapters that build a final object."""
+    agen = service.generate(prepared)
+    try:
+        async for delta in agen:
+            if isinstance(delta, Finish):
+                builder.finish(delta)
+                return
+            builder.feed(delta)
+    except APIError:
+        raise
+    except Exception as e:
+        log.exception("generation failed")
+        raise APIError(500, "internal", f"internal error: {e}") from e
+    finally:
+        await agen.aclose()
+    raise APIError(500, "internal", "generation ended without a finish")

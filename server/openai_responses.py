@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.disconnect import Guarded, until_disconnect
+from server.generation import collect_into
 from server.params import read_json
 from server.reasoning_seal import ReasoningSeal
 from server.responses_output import CUSTOM_INPUT, ResponseBuilder, ToolSet, item_id
@@ -404,22 +405,8 @@ class ResponsesAPI:
             self.store.put(builder.id, builder.response(), req.turn + builder.as_messages(), req.previous)
 
     async def _collect(self, req: ResponsesRequest, prepared: Prepared, builder: ResponseBuilder) -> None:
-        agen = self.service.generate(prepared)
-        try:
-            async for delta in agen:
-                if isinstance(delta, Finish):
-                    builder.finish(delta)
-                    self._done(req, builder)
-                    return
-                builder.feed(delta)
-        except APIError:
-            raise
-        except Exception as e:
-            log.exception("generation failed")
-            raise APIError(500, "internal", f"internal error: {e}") from e
-        finally:
-            await agen.aclose()
-        raise APIError(500, "internal", "generation ended without a finish")
+        await collect_into(self.service, prepared, builder)
+        self._done(req, builder)
 
     async def _events(self, req: ResponsesRequest, prepared: Prepared, builder: ResponseBuilder
                       ) -> AsyncIterator[bytes]:

@@ -123,19 +123,6 @@ class Ready(Message):
 
 
 @dataclass
-class SeqSampling:
-    """Sampling parameters of one sequence as the ranks apply them (inside StepPlan.new_sampling)."""
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-
-
-@dataclass
 class StepPlan(Message):
     """One step for all ranks. Arrays are int32 and flat; sequence b owns rows of the per-sequence
     arrays and columns [col_start[b], col_start[b] + columns[b]) of token_ids.
@@ -145,7 +132,9 @@ class StepPlan(Message):
     page_tables  [B, P] KV page ids            token_ids  [N] input tokens
     sample       [B] 1 when the step samples a token for the sequence (its last column is the last
                  known token), 0 for a prefill chunk that ends before the prompt does
-    new_sampling {seq_id: SeqSampling fields} for sequences admitted this step
+    new_sampling {seq_id: sampler fields} for sequences admitted this step: temperature, top_k, top_p,
+                 min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, prompt_len
+                 (the keyword arguments of ranks.sampler.SeqSampler)
     finished     seq ids whose sampler state the ranks may drop
     """
     KIND: ClassVar[int] = 4

@@ -25,7 +25,12 @@ import struct
 import time
 from multiprocessing import resource_tracker, shared_memory
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
