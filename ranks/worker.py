@@ -45,7 +45,9 @@ class Worker:
         ckpt = Checkpoint(hello.model_dir)
         layout = validate(ckpt, self.spec)
         dtype = getattr(torch, hello.dtype)
-        weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=hello.device, layout=layout)
+        # "cuda" means one device per rank: rank r uses the r-th visible GPU
+        device = f"cuda:{self.rank}" if hello.device == "cuda" else hello.device
+        weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout)
         self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=float(hello.options.get("mailbox_timeout_s", 60)))
         self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages)
