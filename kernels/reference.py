@@ -277,6 +277,25 @@ def gated_delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     return out, S
 
 
+def gated_delta_rule_states(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                            state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """gated_delta_rule_recurrent that also keeps the state after every column (speculative
+    verification: the committed state is the one after the accepted columns, without a re-run).
+
+    Same arguments; returns (o [T, HV, DV], states [T, HV, DK, DV]); states[-1] is the final state.
+    Column by column with exactly the ops of the one-column decode step, so committing states[a]
+    equals decoding the first a+1 columns one at a time, bit for bit.
+    """
+    T = q.shape[0]
+    outs, states = [], []
+    S = state
+    for t in range(T):
+        o, S = gated_delta_rule_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], S)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 0), torch.stack(states, 0)
+
+
 def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                              state: Tensor | None, chunk: int = 64) -> tuple[Tensor, Tensor]:
     """The same rule as gated_delta_rule_recurrent, computed chunk by chunk (prefill, verification).

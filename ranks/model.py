@@ -71,9 +71,29 @@ class Batch:
 
 
 @dataclass
+class KeptColumns:
+    """What a verification forward kept so that the GDN state can be committed after any accepted
+    length without re-running anything (speculative decoding).
+
+    seqs       batch indices of the kept sequences; slots their GDN state slots
+    old_conv   [j][i] conv window [C, K-1] before the step (zeros for a fresh sequence)
+    conv_in    [j][i] pre-conv inputs [T, C] of the step's columns
+    states     [j][i] recurrent state after every column [T, HV, DK, DV]
+    The live state of kept sequences is left untouched until `HybridModel.commit`.
+    """
+    seqs: list[int]
+    slots: list[int]
+    columns: list[int]
+    old_conv: list[list[Tensor]]
+    conv_in: list[list[Tensor]]
+    states: list[list[Tensor]]
+
+
+@dataclass
 class StepOutput:
     hidden: Tensor          # [N, E] final-norm hidden (the MTP layer's input)
     logits: Tensor | None   # [B, V] (mode "last") or [N, V] (mode "all")
+    kept: KeptColumns | None = None   # forward(keep_columns=...) only
 
 
 class HybridModel:
@@ -93,6 +113,8 @@ class HybridModel:
         # per-shard head counts
         self.num_heads, self.num_kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
         self.hk, self.hv = spec.linear_num_key_heads // tp, spec.linear_num_value_heads // tp
+        self._kept: KeptColumns | None = None          # set during forward(keep_columns=...)
+        self._keep: list[bool] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -112,8 +134,56 @@ class HybridModel:
     # Forward passes
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, state: ModelState, logits: LogitsMode = "last") -> StepOutput:
-        """Run all layers over the batch's columns, updating `state` (KV written, GDN state advanced)."""
+    def forward(self, batch: Batch, state: ModelState, logits: LogitsMode = "last",
+                keep_columns: bool | list[bool] = False) -> StepOutput:
+        """Run all layers over the batch's columns, updating `state` (KV written, GDN state advanced).
+
+        keep_columns (all sequences, or a flag per sequence): verification columns. For those
+        sequences the GDN layers run the recurrent rule column by column, keep the state after
+        every column and the pre-conv inputs, and leave the live GDN state untouched; the result's
+        `kept` is then handed to `commit` once the accepted lengths are known. Their KV is written
+        for every column as usual: entries past the accepted length are stale but are rewritten
+        (the next step's first column sits right after the accepted ones) before any query reads them.
+        """
+        if isinstance(keep_columns, bool):
+            keep_columns = [keep_columns] * len(batch.columns)
+        kept = None
+        if any(keep_columns):
+            idx = [b for b, f in enumerate(keep_columns) if f]
+            n_gdn = len(self.spec.linear_attention_layers)
+            kept = KeptColumns(idx, [batch.slots[b] for b in idx], [batch.columns[b] for b in idx],
+                               [[] for _ in range(n_gdn)], [[] for _ in range(n_gdn)], [[] for _ in range(n_gdn)])
+        self._kept, self._keep = kept, keep_columns
+        try:
+            out = self._forward(batch, state, logits)
+        finally:
+            self._kept, self._keep = None, None
+        out.kept = kept
+        return out
+
+    @torch.inference_mode()
+    def commit(self, kept: KeptColumns, state: ModelState, accepted: list[int]) -> None:
+        """Make each kept sequence's GDN state the state after its first accepted[i] + 1 columns
+        (accepted[i] in 0..columns-1): the recurrent state kept for that column, and the conv
+        window = the last K-1 pre-conv inputs of [old window, x_0 .. x_a]."""
+        if len(accepted) != len(kept.seqs):
+            raise ValueError(f"commit needs one accepted length per kept sequence ({len(kept.seqs)}), "
+                             f"got {len(accepted)}")
+        for i, (slot, a) in enumerate(zip(kept.slots, accepted)):
+            if not 0 <= a < kept.columns[i]:
+                raise ValueError(f"accepted length {a} outside [0, {kept.columns[i]})")
+            for j in range(len(kept.states)):
+                old, x = kept.old_conv[j][i], kept.conv_in[j][i]
+                w_dtype = self.w[f"layers.{self.spec.linear_attention_layers[j]}.linear_attn.conv1d.weight"].dtype
+                xs = torch.cat([old.to(w_dtype).T, x[:a + 1].to(w_dtype)], dim=0)      # [K-1+a+1, C]
+                state.conv[j][slot] = xs[a + 1:].T.to(old.dtype)
+                state.recurrent[j][slot] = kept.states[j][i][a]
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """Logits of this rank's vocabulary shard for final-norm (or MTP) hidden rows [R, E]."""
+        return ops.lm_head(hidden, self.head)
+
+    def _forward(self, batch: Batch, state: ModelState, logits: LogitsMode) -> StepOutput:
         s = self.spec
         positions = batch.positions(self.device)
         cos, sin = ops.rope_cos_sin(positions, s.rotary_dim, s.rope_theta, self.dtype)
@@ -195,6 +265,9 @@ class HybridModel:
         out = torch.empty(N, HV, DV, dtype=self.dtype, device=self.device)
         for b, (lo, hi) in enumerate(batch.bounds):
             slot, fresh = batch.slots[b], batch.starts[b] == 0
+            if self._keep is not None and self._keep[b]:
+                out[lo:hi] = self._gdn_kept(j, qkv[lo:hi], conv_w, g[lo:hi], beta[lo:hi], slot, fresh, state)
+                continue
             y, conv_state = ops.causal_conv1d(qkv[lo:hi], conv_w, None if fresh else state.conv[j][slot])
             q, k, v = torch.split(y, [HK * DK, HK * DK, HV * DV], dim=-1)
             T = hi - lo
@@ -206,6 +279,23 @@ class HybridModel:
             out[lo:hi] = o.to(self.dtype)
         y = ops.gated_rms_norm(out, z, w[p + "norm.weight"], s.rms_norm_eps).reshape(N, HV * DV)
         return self.all_reduce(ops.linear(y, w[p + "out_proj.weight"]))
+
+    def _gdn_kept(self, j: int, x: Tensor, conv_w: Tensor, g: Tensor, beta: Tensor, slot: int, fresh: bool,
+                  state: ModelState) -> Tensor:
+        """A verification block: per-column states kept, live state untouched."""
+        s, kept = self.spec, self._kept
+        HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
+        old = torch.zeros_like(state.conv[j][slot]) if fresh else state.conv[j][slot].clone()
+        y, _ = ops.causal_conv1d(x, conv_w, old)
+        q, k, v = torch.split(y, [HK * DK, HK * DK, HV * DV], dim=-1)
+        T = x.shape[0]
+        q, k = ops.gdn_prepare_qk(q.view(T, HK, DK), k.view(T, HK, DK), HV // HK)
+        o, states = ops.gated_delta_rule_states(q, k, v.reshape(T, HV, DV), g, beta,
+                                                None if fresh else state.recurrent[j][slot])
+        kept.old_conv[j].append(old)
+        kept.conv_in[j].append(x.clone())
+        kept.states[j].append(states)
+        return o.to(self.dtype)
 
     def _ffn(self, p: str, h: Tensor) -> Tensor:
         w = self.w

@@ -24,7 +24,9 @@ import torch
 Tensor = torch.Tensor
 Gather = Callable[[Tensor], Tensor]          # [*shape] -> [N, *shape] (row r = rank r's tensor)
 
-PURPOSE_SAMPLE = 0
+PURPOSE_SAMPLE = 0        # the token drawn at a position (plain steps, bonus tokens)
+PURPOSE_ACCEPT = 1        # speculation: the uniform that accepts or rejects a draft
+PURPOSE_RESIDUAL = 2      # speculation: the draw from the residual distribution after a rejection
 
 
 @dataclass
@@ -64,12 +66,22 @@ class SeqSampler:
                 self.output[t] = self.output.get(t, 0) + 1
 
 
-def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
-    """Gumbel(0, 1) noise [vocab] keyed by (seed, position): the same on every rank and batch."""
-    key = hashlib.blake2b(f"{seed}:{position}:{PURPOSE_SAMPLE}".encode(), digest_size=8).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
-    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+def _generator(seed: int, position: int, purpose: int) -> torch.Generator:
+    key = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu",
+                 purpose: int = PURPOSE_SAMPLE) -> Tensor:
+    """Gumbel(0, 1) noise [vocab] keyed by (seed, position, purpose): the same on every rank and batch."""
+    u = torch.rand(vocab, generator=_generator(seed, position, purpose), dtype=torch.float64)
+    u = u.clamp_(1e-300, 1.0 - 1e-16)
     return (-torch.log(-torch.log(u))).to(device)
+
+
+def keyed_uniform(seed: int, position: int, purpose: int = PURPOSE_ACCEPT) -> float:
+    """One U(0, 1) draw keyed by (seed, position, purpose)."""
+    return float(torch.rand(1, generator=_generator(seed, position, purpose), dtype=torch.float64))
 
 
 def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
@@ -152,3 +164,84 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
             score = filtered_log_probs(rows[j], s) + gumbel_noise(s.seed, positions[i], vocab)
             tokens[i] = _argmax_lowest(score)
     return tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Speculative decoding (MTP drafts): collectives and the acceptance rule
+
+
+def argmax_rows(logits: Tensor, *, rank: int, tp: int, gather: Gather, vocab: int) -> list[int]:
+    """Plain argmax per row over the whole vocabulary, ties to the lower id; one (value, index)
+    candidate per row crosses the exchange (the MTP drafts). Collective."""
+    if logits.shape[0] == 0:
+        return []
+    return sample_rows(logits, [SeqSampler(temperature=0.0)] * logits.shape[0], [0] * logits.shape[0],
+                       rank=rank, tp=tp, gather=gather, vocab=vocab)
+
+
+def gather_log_probs(logits: Tensor, samplers: list[SeqSampler], *, rank: int, tp: int,
+                     gather: Gather) -> Tensor:
+    """log p [S, V] (float64) of each row's target distribution (penalties, temperature, top-k,
+    top-p, min-p) from the vocabulary shards [S, V/N]: the logits are gathered (float32, as the
+    plain sampler does), so every rank gets the same rows. Collective."""
+    S, n = logits.shape
+    offset = rank * n
+    mine = torch.stack([apply_penalties(logits[i].double(), samplers[i], offset) for i in range(S)]).float()
+    rows = gather(mine) if tp > 1 else mine[None]
+    rows = rows.permute(1, 0, 2).reshape(S, -1)
+    return torch.stack([filtered_log_probs(rows[i], samplers[i]) for i in range(S)])
+
+
+def with_tokens(s: SeqSampler, tokens: list[int], first_position: int) -> SeqSampler:
+    """The sampler as it would be after observing `tokens` (a copy when penalties need counts)."""
+    if not s.has_penalties or not tokens:
+        return s
+    c = SeqSampler(**{f: getattr(s, f) for f in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                                                   "frequency_penalty", "repetition_penalty", "seed", "prompt_len")},
+                   seen=dict(s.seen), output=dict(s.output))
+    c.observe(tokens, first_position)
+    return c
+
+
+def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
+    """Longest prefix of drafts equal to the target argmax, plus the target's correction / bonus.
+    targets [n+1]: the argmax after each verification column; drafts [n]."""
+    out = []
+    for i, d in enumerate(drafts):
+        if d != targets[i]:
+            break
+        out.append(d)
+    out.append(targets[len(out)])
+    return out
+
+
+def accept_sampled(logp: Tensor, drafts: list[int], seed: int, positions: list[int]) -> list[int]:
+    """Speculative sampling with point-mass drafts (argmax proposals, q = one-hot at d).
+
+    logp [n+1, V] target log-probs after each verification column; positions[i] is the position of
+    the token column i decides. Draft d at column i is accepted with probability min(1, p(d)/q(d)) =
+    p(d) (uniform keyed by (seed, position, ACCEPT)); on rejection the token is drawn from the
+    normalised max(p - q, 0) = p with d removed (Gumbel keyed by (seed, position, RESIDUAL)); when
+    every draft is accepted the bonus is drawn from the last column's p (keyed like a plain step).
+    Each emitted token is therefore distributed exactly as p given the accepted prefix.
+    """
+    V = logp.shape[-1]
+    logp = logp.double()
+    logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)    # top-k/p and min-p leave rows unnormalised
+    out = []
+    for i, d in enumerate(drafts):
+        p_d = float(logp[i, d].exp())
+        if keyed_uniform(seed, positions[i], PURPOSE_ACCEPT) < p_d:
+            out.append(d)
+            continue
+        rest = logp[i].clone()
+        rest[d] = float("-inf")
+        if not bool(torch.isfinite(rest).any()):                  # p(d) = 1 up to rounding
+            out.append(d)
+            continue
+        score = rest + gumbel_noise(seed, positions[i], V, purpose=PURPOSE_RESIDUAL)
+        out.append(_argmax_lowest(score))
+        return out
+    n = len(drafts)
+    out.append(_argmax_lowest(logp[n] + gumbel_noise(seed, positions[n], V)))
+    return out

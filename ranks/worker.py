@@ -27,7 +27,8 @@ import zmq
 
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
-from ranks.sampler import SeqSampler, sample_rows
+from ranks.sampler import (SeqSampler, accept_greedy, accept_sampled, argmax_rows, gather_log_probs, sample_rows,
+                           with_tokens)
 from ranks.sharding import load_shard
 from ranks.weights import Checkpoint, validate
 from runtime.config import load_spec
@@ -52,6 +53,11 @@ class Worker:
         self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages)
         self.samplers: dict[int, SeqSampler] = {}
+        self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
+        if self.spec_k and not self.model.has_mtp:
+            raise ValueError(f"speculation (spec_draft_tokens {self.spec_k}) needs MTP weights; "
+                             f"{hello.model_dir} has none")
+        self.stops: dict[int, frozenset[int]] = {}
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 
     def ready(self) -> msg.Ready:
@@ -61,6 +67,8 @@ class Worker:
                          state_bytes=self.state.nbytes(), has_mtp=self.model.has_mtp)
 
     def step(self, plan: msg.StepPlan) -> msg.StepResult | None:
+        if self.spec_k:
+            return self.spec_step(plan)
         t0 = time.perf_counter()
         for sid, fields in plan.new_sampling.items():
             self.samplers[int(sid)] = SeqSampler(**fields)
@@ -86,6 +94,169 @@ class Worker:
             return None
         return msg.StepResult(step=plan.step, seq_ids=np.array([seq_ids[b] for b in rows], dtype=np.int64),
                               tokens=np.array(sampled, dtype=np.int64), elapsed_s=time.perf_counter() - t0)
+
+
+    # ---- speculation --------------------------------------------------------------------------------
+
+    def spec_step(self, plan: msg.StepPlan) -> msg.StepResult | None:
+        """A step with MTP speculation: verify each sequence's draft columns, commit the GDN state at
+        the accepted length, then draft K tokens for the next round with the MTP layer."""
+        t0 = time.perf_counter()
+        for sid, fields in plan.new_sampling.items():
+            self.samplers[int(sid)] = SeqSampler(**fields)
+        for sid, ids in plan.spec_stops.items():
+            self.stops[int(sid)] = frozenset(int(t) for t in ids)
+        seq_ids = plan.seq_ids.tolist()
+        columns, starts = plan.columns.tolist(), plan.starts.tolist()
+        B = len(seq_ids)
+        ndraft = plan.drafts.tolist() if plan.drafts is not None else [0] * B
+        next_tok = plan.next_token.tolist() if plan.next_token is not None else [-1] * B
+        kv_tokens = plan.kv_tokens.tolist() if plan.kv_tokens is not None else [1 << 62] * B
+        tokens = plan.token_ids.astype(np.int64)
+        bounds, at = [], 0
+        for c in columns:
+            bounds.append((at, at + c))
+            at += c
+        for b, sid in enumerate(seq_ids):               # drafts are counted once accepted
+            lo, hi = bounds[b]
+            self.samplers[sid].observe(tokens[lo:hi - ndraft[b]].tolist(), starts[b])
+        batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
+                      torch.from_numpy(plan.page_tables.astype(np.int32)))
+        out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
+        flags = plan.sample.tolist()
+        rows = [b for b in range(B) if flags[b]]
+        V, gather = self.spec.vocab_size, self.mailbox.all_gather
+        # logits of every verification column (plain sampled rows: the last column only)
+        row_cols = {b: list(range(bounds[b][1] - ndraft[b] - 1, bounds[b][1])) for b in rows}
+        flat = [c for b in rows for c in row_cols[b]]
+        logits = self.model.head_logits(out.hidden[flat]).float() if flat else None
+        at, col_logits = 0, {}
+        for b in rows:
+            col_logits[b] = (at, at + len(row_cols[b]))
+            at += len(row_cols[b])
+        accepted: dict[int, list[int]] = {}
+        plain = [b for b in rows if ndraft[b] == 0]
+        if plain:
+            picked = sample_rows(logits[[col_logits[b][0] for b in plain]], [self.samplers[seq_ids[b]] for b in plain],
+                                 [starts[b] + columns[b] for b in plain], rank=self.rank, tp=self.tp, gather=gather,
+                                 vocab=V)
+            accepted.update({b: [t] for b, t in zip(plain, picked)})
+        drafted = [b for b in rows if ndraft[b] > 0]
+
+        def column_samplers(b):
+            s, hi = self.samplers[seq_ids[b]], bounds[b][1]
+            d = tokens[hi - ndraft[b]:hi].tolist()
+            first = starts[b] + columns[b] - ndraft[b]            # position of d1
+            return [with_tokens(s, d[:i], first) for i in range(ndraft[b] + 1)], d, first
+        greedy = [b for b in drafted if self.samplers[seq_ids[b]].greedy]
+        if greedy:
+            idx, smp, pos = [], [], []
+            for b in greedy:
+                ss, _, first = column_samplers(b)
+                idx += list(range(*col_logits[b]))
+                smp += ss
+                pos += [first + i for i in range(len(ss))]
+            targets = sample_rows(logits[idx], smp, pos, rank=self.rank, tp=self.tp, gather=gather, vocab=V)
+            at = 0
+            for b in greedy:
+                n = ndraft[b]
+                d = tokens[bounds[b][1] - n:bounds[b][1]].tolist()
+                accepted[b] = accept_greedy(targets[at:at + n + 1], d)
+                at += n + 1
+        sampled = [b for b in drafted if not self.samplers[seq_ids[b]].greedy]
+        if sampled:
+            idx, smp = [], []
+            for b in sampled:
+                ss, _, _ = column_samplers(b)
+                idx += list(range(*col_logits[b]))
+                smp += ss
+            logp = gather_log_probs(logits[idx], smp, rank=self.rank, tp=self.tp, gather=gather)
+            at = 0
+            for b in sampled:
+                n = ndraft[b]
+                _, d, first = column_samplers(b)
+                accepted[b] = accept_sampled(logp[at:at + n + 1], d, self.samplers[seq_ids[b]].seed,
+                                             [first + i for i in range(n + 1)])
+                at += n + 1
+        # stop tokens inside a round: commit exactly up to the stop
+        for b in drafted:
+            stops = self.stops.get(seq_ids[b], frozenset())
+            for i, t in enumerate(accepted[b]):
+                if t in stops:
+                    accepted[b] = accepted[b][:i + 1]
+                    break
+        if out.kept is not None:
+            self.model.commit(out.kept, self.state, [len(accepted.get(b, [0])) - 1 for b in out.kept.seqs])
+        for b in drafted:                                       # accepted drafts join the penalty counts
+            a = len(accepted[b]) - 1
+            if a:
+                self.samplers[seq_ids[b]].observe(accepted[b][:a], starts[b] + columns[b] - ndraft[b])
+        drafts = self._draft(out.hidden, batch, bounds, tokens, ndraft, next_tok, kv_tokens, rows, accepted)
+        for sid in plan.finished:
+            self.samplers.pop(int(sid), None)
+            self.stops.pop(int(sid), None)
+        if self.rank != 0:
+            return None
+        toks = [t for b in rows for t in accepted[b]]
+        return msg.StepResult(step=plan.step, seq_ids=np.array([seq_ids[b] for b in rows], dtype=np.int64),
+                              tokens=np.array(toks, dtype=np.int64),
+                              counts=np.array([len(accepted[b]) for b in rows], dtype=np.int32),
+                              drafts=np.array([drafts[b] for b in rows], dtype=np.int64).reshape(len(rows), self.spec_k),
+                              elapsed_s=time.perf_counter() - t0)
+
+    def _draft(self, hidden, batch: Batch, bounds, tokens, ndraft, next_tok, kv_tokens, rows, accepted) -> dict:
+        """MTP pass 1 over each sequence's accepted columns (ids shifted left by one, the last = the
+        token decided after them; hidden = the target's final-norm hidden there), then K-1 single MTP
+        steps on its own output hidden. Returns {b: K drafts (-1 where the KV bound stopped it)}."""
+        K, V = self.spec_k, self.spec.vocab_size
+        ids, cols, starts, keep_b, hid_rows = [], [], [], [], []
+        for b, (lo, hi) in enumerate(bounds):
+            n_acc = (hi - lo) - ndraft[b] + (len(accepted[b]) - 1 if b in accepted else 0)
+            nxt = accepted[b][-1] if b in accepted else next_tok[b]
+            if nxt < 0:
+                continue
+            ids += tokens[lo + 1:lo + n_acc].tolist() + [nxt]
+            cols.append(n_acc)
+            starts.append(batch.starts[b])
+            keep_b.append(b)
+            hid_rows += list(range(lo, lo + n_acc))
+        if not keep_b:
+            return {}
+        mb = Batch(torch.tensor(ids, dtype=torch.int64), cols, starts, [batch.slots[b] for b in keep_b],
+                   batch.page_tables[keep_b])
+        m = self.model.mtp_forward(mb, hidden[hid_rows], self.state, logits="none").hidden
+        drafting = [i for i, b in enumerate(keep_b) if b in accepted]
+        ends = [sum(cols[:i + 1]) - 1 for i in drafting]
+        drafts = {keep_b[i]: [] for i in drafting}
+        h = m[ends]
+        pos = [starts[i] + cols[i] - 1 for i in drafting]        # position of the last MTP column
+        toks = argmax_rows(self.model.head_logits(h).float(), rank=self.rank, tp=self.tp,
+                           gather=self.mailbox.all_gather, vocab=V)
+        live = list(range(len(drafting)))
+        cur = {li: toks[k] for k, li in enumerate(live)}
+        for j in range(K):
+            for li in live:
+                drafts[keep_b[drafting[li]]].append(cur[li])
+            if j == K - 1:
+                break
+            # the next MTP step sits at pos + 1: every rank drops the same rows (plan data only)
+            live2 = [li for li in live if pos[li] + 1 < kv_tokens[keep_b[drafting[li]]]]
+            if not live2:
+                break
+            sel = [live.index(li) for li in live2]
+            for li in live2:
+                pos[li] += 1
+            sb = Batch(torch.tensor([cur[li] for li in live2], dtype=torch.int64), [1] * len(live2),
+                       [pos[li] for li in live2], [batch.slots[keep_b[drafting[li]]] for li in live2],
+                       batch.page_tables[[keep_b[drafting[li]] for li in live2]])
+            h = self.model.mtp_forward(sb, h[sel], self.state, logits="none").hidden
+            new = argmax_rows(self.model.head_logits(h).float(), rank=self.rank, tp=self.tp,
+                              gather=self.mailbox.all_gather, vocab=V)
+            cur = {li: new[k] for k, li in enumerate(live2)}
+            live = live2
+        for b in drafts:
+            drafts[b] += [-1] * (K - len(drafts[b]))
+        return drafts
 
 
 def _heartbeat(ctx: zmq.Context, addr: str, rank: int, parent: int, stop: threading.Event,
@@ -147,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(m, msg.Cancel):
                 for sid in m.seq_ids:
                     worker.samplers.pop(int(sid), None)
+                    worker.stops.pop(int(sid), None)
                 continue
             step = current_step[0] = m.step
             result = worker.step(m)

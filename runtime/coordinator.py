@@ -55,7 +55,8 @@ class Coordinator:
         self.config = SchedulerConfig(
             max_concurrency=options.max_concurrency, max_pending=options.max_pending,
             pending_timeout_s=options.pending_timeout_s, prefill_chunk=options.prefill_chunk,
-            max_step_tokens=options.max_step_tokens, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context)
+            max_step_tokens=options.max_step_tokens, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context,
+            spec_draft_tokens=options.spec_draft_tokens)
         self.scheduler = Scheduler(self.config)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, object] = {}
@@ -110,7 +111,8 @@ class Coordinator:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(self._addr)
         max_payload = max(self.config.max_step_tokens * self.spec.hidden_size,
-                          2 * self.config.max_concurrency * self.spec.vocab_size // self.tp, 1024)
+                          (2 + self.options.spec_draft_tokens) * self.config.max_concurrency
+                          * self.spec.vocab_size // self.tp, 1024)
         self.mailbox_words = min(max_payload, 1 << 22)
         self._shm = create_segment(self.tp, self.mailbox_words)
         env = dict(os.environ)
@@ -145,15 +147,21 @@ class Coordinator:
                         num_slots=self.config.max_concurrency, num_pages=self.config.kv_pages,
                         mailbox=self._shm.name, mailbox_words=self.mailbox_words,
                         options=dict(mailbox_timeout_s=self.options.mailbox_timeout_s,
-                                     threads_per_rank=self._threads_per_rank)))
+                                     threads_per_rank=self._threads_per_rank,
+                                     spec_draft_tokens=self.options.spec_draft_tokens)))
             elif isinstance(m, msg.Ready):
                 if not m.ok:
+                    if "needs MTP weights" in m.error:
+                        raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.*); {self.model_dir} "
+                                         "has none")
                     raise RuntimeError(f"rank {m.rank} could not load {self.model_dir}: {m.error}")
                 ready[m.rank] = m
             elif isinstance(m, msg.Error):
                 raise RuntimeError(f"rank {m.rank} failed while starting: {m.reason}")
         self.ready = ready
         self.has_mtp = all(r.has_mtp for r in ready.values())
+        if self.options.spec_draft_tokens and not self.has_mtp:      # the ranks refuse too; say it plainly
+            raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.*); {self.model_dir} has none")
         log.info("%d rank(s) ready: %s", self.tp, {r: (m.pid, m.weight_bytes, m.state_bytes) for r, m in ready.items()})
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -246,8 +254,17 @@ class Coordinator:
     def stats(self) -> dict:
         with self._lock:
             usage = self.scheduler.usage()
-            return dict(healthy=self.healthy and not self.failure, failure=self.failure, tp=self.tp,
-                        **usage, **self.counters)
+            out = dict(healthy=self.healthy and not self.failure, failure=self.failure, tp=self.tp,
+                       **usage, **self.counters)
+            sc = self.scheduler.spec_totals
+            if sc is not None:
+                out["spec"] = dict(sc, draft_tokens=self.options.spec_draft_tokens,
+                                   accepted_hist=list(sc["accepted_hist"]),
+                                   position_drafted=list(sc["position_drafted"]),
+                                   position_accepted=list(sc["position_accepted"]),
+                                   tokens_per_round=(sc["accepted"] + sc["rounds"]) / sc["rounds"] if sc["rounds"]
+                                   else None)
+            return out
 
     # ---- the loop (coordinator thread) -------------------------------------------------------------
 
@@ -318,15 +335,31 @@ class Coordinator:
                                       top_p=p.top_p, min_p=p.min_p,
                                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                       repetition_penalty=p.repetition_penalty, seed=s.seed, prompt_len=len(s.prompt))
-        step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, **arrays)
+        spec_stops = {s.id: sorted(s.stop_ids) for s in plan.new} if self.options.spec_draft_tokens else {}
+        step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, spec_stops=spec_stops,
+                            **arrays)
         frames = step.to_frames()
         for r in range(self.tp):
             self._sock.send_multipart([f"rank{r}".encode()] + frames, copy=False)
         result = self._await_result(plan.step)
         self.counters["steps"] += 1
-        sampled = dict(zip(result.seq_ids.tolist(), result.tokens.tolist()))
+        ids, toks = result.seq_ids.tolist(), result.tokens.tolist()
+        drafts = None
+        if result.counts is None:
+            sampled = dict(zip(ids, toks))
+        else:
+            sampled, at = {}, 0
+            for sid, c in zip(ids, result.counts.tolist()):
+                sampled[sid] = toks[at:at + c]
+                at += c
+            drafts = dict(zip(ids, result.drafts.tolist())) if result.drafts is not None else None
         with self._lock:
-            events = self.scheduler.commit(plan, sampled)
+            events = self.scheduler.commit(plan, sampled, drafts)
+        hook = self.options.spec_draft_hook
+        if hook is not None and drafts is not None:                  # TEST-ONLY (EngineOptions)
+            for s in plan.seqs:
+                if s.id in drafts and not s.done:
+                    s.drafts = list(hook(s, list(s.drafts)))
         for s, tokens, reason in events:
             self.counters["generated_tokens"] += len(tokens)
             if reason is None:
@@ -397,8 +430,11 @@ class Coordinator:
         if stream is not None:
             tokens = list(last_tokens or [])
             reason = s.finish_reason if s.status != Status.FAILED else None
+            spec = None
+            if s.spec is not None:
+                spec = dict(s.spec, tokens_per_round=(s.spec["accepted"] + s.spec["rounds"]) / s.spec["rounds"])
             stream._push(Event(s.id, tokens, finish_reason=reason, error=s.error if s.status == Status.FAILED else None,
-                               usage=usage, timings=timings))
+                               usage=usage, timings=timings, spec=spec))
 
     def _fail(self, reason: str, status: Status = Status.FAILED) -> None:
         """End every request; with FAILED the engine also turns unhealthy and stops its ranks."""

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from runtime.sampling import SamplingParams
 
@@ -45,6 +45,14 @@ class EngineOptions:
     mailbox_timeout_s: float = 60.0
     threads_per_rank: int | None = None  # torch threads per rank process; default 1 (see docs/perf.md)
     log_level: str = "WARNING"
+    spec_draft_tokens: int = 0           # MTP speculation: drafts per round, 1..5 (0 = off, the default)
+    # TEST-ONLY: called by the coordinator as hook(sequence, drafts) -> drafts after each round, to
+    # force drafts right or wrong (tests/test_speculation.py); never set it in production
+    spec_draft_hook: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.spec_draft_tokens <= 5:
+            raise ValueError(f"spec_draft_tokens must be 0 (off) or 1..5, got {self.spec_draft_tokens}")
 
 
 @dataclass
@@ -56,6 +64,9 @@ class Event:
     error: str | None = None
     usage: dict | None = None            # prompt_tokens, completion_tokens (last event)
     timings: dict | None = None          # ttft_s, total_s (last event)
+    spec: dict | None = None             # speculation statistics (last event, when speculation ran):
+                                         # rounds, drafted, accepted, accepted_hist [K+1],
+                                         # position_drafted [K], position_accepted [K], tokens_per_round
 
     @property
     def final(self) -> bool:
@@ -70,6 +81,7 @@ class Completion:
     error: str | None
     usage: dict | None
     timings: dict | None
+    spec: dict | None = None
 
 
 class RequestStream:
@@ -135,7 +147,7 @@ class RequestStream:
             ev = self.get(timeout)
             tokens.extend(ev.tokens)
             if ev.final:
-                return Completion(self.id, tokens, ev.finish_reason, ev.error, ev.usage, ev.timings)
+                return Completion(self.id, tokens, ev.finish_reason, ev.error, ev.usage, ev.timings, ev.spec)
 
 
 class Engine:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.config import PAGE_SIZE
-from runtime.sequence import Sequence, Status
+from runtime.sequence import Sequence, Status, new_spec_stats, record_round
 
 
 class Overloaded(RuntimeError):
@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_step_tokens: int = 1024       # columns per step, all sequences together
     kv_pages: int = 1024              # pages in the pool (each PAGE_SIZE tokens)
     max_context: int = 8192           # prompt + output tokens per sequence
+    spec_draft_tokens: int = 0        # MTP speculation: drafts per round (0 = off)
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_pending", "prefill_chunk", "max_step_tokens", "kv_pages", "max_context"):
@@ -57,15 +58,26 @@ class Plan:
     sample: list[bool]
     new: list[Sequence] = field(default_factory=list)        # first step of these sequences
     released: list[int] = field(default_factory=list)        # ended since the last plan
+    drafts: list[int] | None = None                          # speculation: draft columns per sequence
 
     def to_arrays(self, max_pages: int) -> dict[str, np.ndarray]:
         B = len(self.seqs)
         tables = np.zeros((B, max(max_pages, 1)), dtype=np.int32)
         tokens: list[int] = []
+        drafts = self.drafts or [0] * B
         for b, (s, c) in enumerate(zip(self.seqs, self.columns)):
             tables[b, :len(s.pages)] = s.pages
-            tokens.extend(s.token(i) for i in range(s.computed, s.computed + c))
-        return dict(
+            n = drafts[b]
+            tokens.extend(s.token(i) for i in range(s.computed, s.computed + c - n))
+            tokens.extend(s.drafts[:n])
+        spec = {}
+        if self.drafts is not None:
+            spec = dict(
+                drafts=np.array(drafts, dtype=np.int32),
+                next_token=np.array([s.token(s.computed + c) if s.computed + c < len(s.prompt) else -1
+                                     for s, c in zip(self.seqs, self.columns)], dtype=np.int32),
+                kv_tokens=np.array([len(s.pages) * PAGE_SIZE for s in self.seqs], dtype=np.int32))
+        return dict(**spec,
             seq_ids=np.array([s.id for s in self.seqs], dtype=np.int64),
             columns=np.array(self.columns, dtype=np.int32),
             starts=np.array([s.computed for s in self.seqs], dtype=np.int32),
@@ -87,6 +99,8 @@ class Scheduler:
         self.free_pages = list(range(config.kv_pages - 1, -1, -1))
         self.released: list[int] = []
         self.step = 0
+        # speculation statistics over all requests (None when speculation is off)
+        self.spec_totals = new_spec_stats(config.spec_draft_tokens) if config.spec_draft_tokens else None
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -127,14 +141,28 @@ class Scheduler:
         new = self._admit()
         budget = self.config.max_step_tokens
         seqs, columns, sample = [], [], []
-        for s in self.running:                          # decodes first: the unfed tokens (one, or more
-            if not s.prefilling:                        # after forced close-of-thinking tokens)
-                seqs.append(s), columns.append(s.unfed), sample.append(True)
-                budget -= s.unfed
+        K = self.config.spec_draft_tokens
+        drafts: list[int] | None = [] if K else None
+        decoding = [s for s in self.running if not s.prefilling]
+        spare = budget - sum(s.unfed for s in decoding)
+        for s in decoding:                              # decodes first: the unfed tokens (one, or more
+            n = 0                                       # after forced close-of-thinking tokens)
+            # speculation: [last token, d1..dn]; not inside a budgeted reasoning section (the budget
+            # replaces sampled tokens there), never past max_new_tokens (which the context clamps)
+            if K and s.unfed == 1 and not s.thinking and s.drafts:
+                valid = next((i for i, d in enumerate(s.drafts) if d < 0), len(s.drafts))
+                n = max(0, min(K, valid, s.max_new_tokens - len(s.output) - 1, spare))
+                spare -= n
+            seqs.append(s), columns.append(s.unfed + n), sample.append(True)
+            if drafts is not None:
+                drafts.append(n)
+            budget -= s.unfed + n
         for s in self.running:                          # then prefill chunks, oldest first
             if s.prefilling and budget > 0:
                 n = min(self.config.prefill_chunk, len(s.prompt) - s.computed, budget)
                 seqs.append(s), columns.append(n), sample.append(s.computed + n == len(s.prompt))
+                if drafts is not None:
+                    drafts.append(0)
                 budget -= n
         released, self.released = self.released, []
         if not seqs:
@@ -142,22 +170,39 @@ class Scheduler:
                 self.released = released
             return None
         self.step += 1
-        return Plan(self.step, seqs, columns, sample, new=new, released=released)
+        return Plan(self.step, seqs, columns, sample, new=new, released=released, drafts=drafts)
 
-    def commit(self, plan: Plan, sampled: dict[int, int]) -> list[tuple[Sequence, list[int], str | None]]:
+    def commit(self, plan: Plan, sampled: dict[int, int | list[int]],
+               drafts: dict[int, list[int]] | None = None) -> list[tuple[Sequence, list[int], str | None]]:
         """Apply a step's result: advance, append sampled tokens, finish what is complete.
 
+        sampled: a token per sequence, or (speculation) the accepted tokens of its round: the
+        accepted drafts then the correction / bonus token. drafts: the next round's drafts.
         Returns (sequence, tokens added, finish reason or None) for sequences that got tokens.
         """
         events = []
-        for s, c in zip(plan.seqs, plan.columns):
+        K = self.config.spec_draft_tokens
+        for b, (s, c) in enumerate(zip(plan.seqs, plan.columns)):
             if s.done:                                  # cancelled while the step ran
                 continue
-            s.computed += c
-            token = sampled.get(s.id)
-            if token is None:
+            n = plan.drafts[b] if plan.drafts else 0
+            got = sampled.get(s.id)
+            toks = [] if got is None else ([got] if isinstance(got, int) else list(got))
+            a = max(0, len(toks) - 1) if n else 0       # drafts now in the ranks' state
+            s.computed += c - n + a
+            if n:
+                s.spec_record(K, n, a)
+                record_round(self.spec_totals, n, a)
+            if drafts is not None and s.id in drafts:
+                s.drafts = list(drafts[s.id])
+            if not toks:
                 continue
-            added, reason = s.accept(token)
+            added, reason = [], None
+            for t in toks:
+                more, reason = s.accept(t)
+                added += more
+                if reason is not None:
+                    break
             if reason is not None:
                 s.finish_reason = reason
                 self._release(s)

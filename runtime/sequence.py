@@ -41,6 +41,8 @@ class Sequence:
     finished_at: float | None = None
     thinking: bool = False             # inside a budgeted reasoning section
     reasoning_tokens: int = 0
+    drafts: list[int] = field(default_factory=list)    # speculation: MTP drafts for the next round
+    spec: dict | None = None           # speculation statistics (SpecStats.as_dict layout)
 
     def __post_init__(self) -> None:
         self.thinking = self.params.thinking_budget is not None
@@ -65,6 +67,13 @@ class Sequence:
     def token(self, i: int) -> int:
         n = len(self.prompt)
         return self.prompt[i] if i < n else self.output[i - n]
+
+    def spec_record(self, k: int, drafted: int, accepted: int) -> None:
+        """Count one speculation round: `drafted` draft columns, the first `accepted` of them kept."""
+        if self.spec is None:
+            self.spec = new_spec_stats(k)
+        record_round(self.spec, drafted, accepted)
+
 
     def append(self, token: int) -> str | None:
         """Add a token; return the finish reason if the sequence is now complete."""
@@ -99,3 +108,21 @@ class Sequence:
             if reason is not None:
                 return added, reason
         return added, None
+
+
+def new_spec_stats(k: int) -> dict:
+    """Speculation statistics: rounds, draft tokens fed, drafts accepted, a histogram of accepted
+    drafts per round (0..k), and per draft position how often it was fed and accepted."""
+    return dict(rounds=0, drafted=0, accepted=0, accepted_hist=[0] * (k + 1), position_drafted=[0] * k,
+                position_accepted=[0] * k)
+
+
+def record_round(st: dict, drafted: int, accepted: int) -> None:
+    """Add one round to statistics made by new_spec_stats."""
+    st["rounds"] += 1
+    st["drafted"] += drafted
+    st["accepted"] += accepted
+    st["accepted_hist"][accepted] += 1
+    for i in range(drafted):
+        st["position_drafted"][i] += 1
+        st["position_accepted"][i] += int(i < accepted)

@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract per token present in the output")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per occurrence in the output")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise prompt and output tokens (>1)")
+    add_spec_arguments(g)
     g.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
     return parser
@@ -139,7 +140,28 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--zmq-endpoint", default=None, metavar="ENDPOINT",
                    help="also serve the ZeroMQ protocol here (e.g. tcp://127.0.0.1:5557, ipc:///run/tandem.sock)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    add_spec_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+
+def add_spec_arguments(p) -> None:
+    p.add_argument("--spec", default="off", choices=["off", "mtp"],
+                   help="speculative decoding: 'mtp' drafts with the model's MTP head (default off)")
+    p.add_argument("--draft-tokens", type=int, default=3, choices=range(1, 6), metavar="K",
+                   help="drafts per speculation round with --spec mtp, 1..5 (default 3)")
+
+
+def spec_draft_tokens(args: argparse.Namespace, model_dir: str) -> int:
+    """EngineOptions.spec_draft_tokens from --spec / --draft-tokens; ValueError when the checkpoint
+    has no MTP weights (checked on the safetensors headers before any rank starts)."""
+    if getattr(args, "spec", "off") != "mtp":
+        return 0
+    from ranks.weights import Checkpoint, validate
+    from runtime.config import load_spec
+
+    if not validate(Checkpoint(model_dir), load_spec(model_dir)).has_mtp:
+        raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.* tensors); {model_dir} has none")
+    return args.draft_tokens
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -200,7 +222,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     try:
-        if args.tp == 1:
+        spec_k = spec_draft_tokens(args, model_dir)
+    except ValueError as e:
+        print(f"tandem generate: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, CheckpointError) as e:
+        print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.tp == 1 and not spec_k:
             gen = LocalGenerator.from_dir(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
                                           prefill_chunk=args.prefill_chunk)
             for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
@@ -208,7 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             from runtime import Engine, EngineError, EngineOptions
 
-            options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level)
+            options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
+                                    spec_draft_tokens=spec_k)
             with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:
                 for event in engine.submit(prompt_ids, params, stop_token_ids=extra_eos if not args.ignore_eos
                                            else None):

@@ -66,11 +66,17 @@ def serve(args, argv: list[str]) -> int:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                      f"{spec.max_position_embeddings}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    from ranks.weights import CheckpointError
+    from server.cli import spec_draft_tokens
+    try:
+        spec_k = spec_draft_tokens(args, model_dir)
+    except (ValueError, ConfigError, CheckpointError) as e:
+        return _fail(str(e))
     options = EngineOptions(max_concurrency=args.max_concurrency, max_pending=args.max_pending,
                             pending_timeout_s=args.pending_timeout_s, prefill_chunk=args.prefill_chunk,
                             max_step_tokens=max(args.max_step_tokens, args.max_concurrency), max_context=max_context,
                             kv_capacity=args.kv_capacity, threads_per_rank=args.threads_per_rank,
-                            log_level=args.log_level)
+                            log_level=args.log_level, spec_draft_tokens=spec_k)
     model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")
     try:
         request_log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None

@@ -30,15 +30,16 @@ def _greedy(model: HybridModel, ids: list[int], n: int) -> list[int]:
     return got
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 3], ids=["plain", "spec-mtp-3"])
+def setup(tmp_path_factory, request):
+    """The engine without and with MTP speculation (drafting pauses inside the budgeted section)."""
     cfg = tiny_config(False)
     spec = spec_from_hf(cfg)
     weights = random_weights(spec, 11)
     d = tmp_path_factory.mktemp("budget")
     write_checkpoint(d, weights, prefix="model.")
     (d / "config.json").write_text(json.dumps(cfg))
-    with Engine.start(d, tp=1, options=EngineOptions(max_concurrency=4)) as engine:
+    with Engine.start(d, tp=1, options=EngineOptions(max_concurrency=4, spec_draft_tokens=request.param)) as engine:
         yield engine, HybridModel(spec, weights)
 
 

@@ -14,6 +14,15 @@ Records:
   Heartbeat   rank -> coordinator   liveness, every HEARTBEAT_S
   Shutdown    coordinator -> ranks  exit cleanly
   Error       rank -> coordinator   the step id and the reason, sent before a rank exits on failure
+
+Speculation (MTP drafts, Hello.options["spec_draft_tokens"] = K > 0): drafts live with the
+coordinator. Rank 0 returns, with each sequence's accepted tokens, the K drafts the ranks' MTP
+layer proposed for its next round (StepResult.drafts); the coordinator feeds them back as the last
+columns of that sequence in the next StepPlan (StepPlan.drafts says how many of its columns are
+drafts, fewer than K near max_new_tokens or the context limit, 0 while drafting is off for it).
+Every rank verifies the same way (the exchanges give every rank the same candidates / logits and
+the RNG is keyed by (seed, position, purpose)), so all ranks commit the same accepted length to
+their GDN state without another message.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2     # 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+                         #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
 
@@ -149,6 +159,13 @@ class StepPlan(Message):
     new_sampling: dict = field(default_factory=dict)
     prompt_tokens: dict = field(default_factory=dict)   # seq_id -> int32 array of prompt ids (penalties)
     finished: list = field(default_factory=list)
+    # speculation only (None when off):
+    drafts: np.ndarray | None = None      # [B] how many of the sequence's last columns are drafts
+    next_token: np.ndarray | None = None  # [B] the token after the last column when already known (a
+                                          #     prefill chunk that does not end the prompt), else -1
+    kv_tokens: np.ndarray | None = None   # [B] KV positions the sequence's pages hold (drafting bound)
+    spec_stops: dict = field(default_factory=dict)      # seq_id -> stop token ids (new sequences):
+                                                        # acceptance stops at the first stop token
 
 
 @dataclass
@@ -156,8 +173,10 @@ class StepResult(Message):
     KIND: ClassVar[int] = 5
     step: int
     seq_ids: np.ndarray          # [S] sequences that sampled this step
-    tokens: np.ndarray           # [S] sampled ids
+    tokens: np.ndarray           # [S] sampled ids, or with counts: [sum(counts)] accepted tokens, in order
     elapsed_s: float = 0.0
+    counts: np.ndarray | None = None   # speculation: [S] tokens per sequence (1 + accepted drafts)
+    drafts: np.ndarray | None = None   # speculation: [S, K] drafts for each sequence's next round
 
 
 @dataclass
