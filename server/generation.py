@@ -150,7 +150,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
         if parser is not None and prepared.forced_prefix:
             for d in stats.convert(parser.feed(prepared.forced_prefix)):
                 yield d
-        reason, matched, engine_timings, engine_usage = None, None, {}, {}
+        reason, matched, engine_timings, engine_usage, engine_spec = None, None, {}, {}, None
         while reason is None:
             ev = await events.__anext__()
             for tok in ev.tokens:
@@ -180,6 +180,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
                     raise APIError(503, "unavailable", "the request was cancelled: the server is shutting down",
                                    retry_after_s=5)
                 reason, engine_timings, engine_usage = ev.finish_reason or "stop", ev.timings or {}, ev.usage or {}
+                engine_spec = ev.spec
         if matched is None and not (parser is not None and parser.stop_requested):
             text, matched = stops.push(decoder.flush())
             if matched is None:
@@ -196,7 +197,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
             notes = result.notes
             if result.tool_calls:
                 reason = "tool_calls"
-        finish = stats.finish(reason, matched, notes, engine_timings, engine_usage)
+        finish = stats.finish(reason, matched, notes, engine_timings, engine_usage, engine_spec)
         yield finish
     except APIError as e:
         stats.error(e)
@@ -247,7 +248,7 @@ class _Run:
         return self.convert(parser.feed(text))
 
     def finish(self, reason: str, matched: str | None, notes: list[str], engine_timings: dict,
-               engine_usage: dict) -> Finish:
+               engine_usage: dict, engine_spec: dict | None = None) -> Finish:
         now = time.monotonic()
         ttft = engine_timings.get("ttft_s")
         if ttft is None and self.t_first is not None:
@@ -263,7 +264,7 @@ class _Run:
         usage = dict(prompt_tokens=n_prompt, completion_tokens=self.n_out, total_tokens=n_prompt + self.n_out,
                      reasoning_tokens=min(self.reasoning_tokens, self.n_out),
                      cached_tokens=int(engine_usage.get("cached_tokens", 0) or 0))
-        finish = Finish(reason, usage, timings, matched, list(notes))
+        finish = Finish(reason, usage, timings, matched, list(notes), spec=engine_spec)
         self.recorded = True
         self.service.request_done(self.prepared, finish)
         return finish

@@ -5,6 +5,21 @@ totals, TTFT / e2e histograms, prefix-cache counters) so existing dashboards wor
 `tandem_*`. Scheduler gauges are read from the engine's stats() at scrape time. Request counters are
 labelled by API (chat, completions, messages, responses, ...) and by the X-Tandem-Client label; the
 first MAX_CLIENT_LABELS distinct clients get their own label value, later ones count as "other".
+
+Speculative decoding (MTP) counters are fed per request, from the speculation statistics on the engine's
+final event of each request that finished (server.service.Finish.spec, via Service.request_done), never
+from engine.stats()["spec"] at scrape time; each request is counted once, when it ends, and the counters
+add up exactly to the `spec` objects of the request log's request_done events. Requests that end before
+the engine's final event (a stop string or tool call matched in the server, client gone, errors) are not
+counted, so these totals can be below the engine's own (engine.stats()["spec"]). The series:
+  tandem_spec_rounds_total                      speculation rounds (verification steps)
+  tandem_spec_draft_tokens_total                draft tokens fed for verification
+  tandem_spec_accepted_tokens_total             draft tokens accepted (<= drafted)
+  tandem_spec_position_draft_tokens_total{position}     drafts fed at draft position 1..K
+  tandem_spec_position_accepted_tokens_total{position}  drafts accepted at draft position 1..K
+  tandem_spec_accepted_length_total{length}     rounds that accepted `length` drafts (0..K)
+all also labelled model_name. tandem_spec_acceptance_rate (a gauge, accepted / drafted) is the one
+speculation series read from engine.stats()["spec"] at scrape time: the engine's global rate.
 """
 
 from __future__ import annotations
@@ -47,6 +62,22 @@ class Metrics:
                                 ["api", "client", "status"], registry=r)
         self.aborted = Counter("tandem_requests_aborted", "Requests the client abandoned (499)", ["api"],
                                registry=r)
+        self.spec_rounds = Counter("tandem_spec_rounds", "Speculation rounds of finished requests", m, registry=r)
+        self.spec_drafted = Counter("tandem_spec_draft_tokens", "Draft tokens fed for verification", m,
+                                    registry=r)
+        self.spec_accepted = Counter("tandem_spec_accepted_tokens", "Draft tokens accepted", m, registry=r)
+        self.spec_position_drafted = Counter("tandem_spec_position_draft_tokens",
+                                             "Draft tokens fed, by draft position (1..K)", m + ["position"],
+                                             registry=r)
+        self.spec_position_accepted = Counter("tandem_spec_position_accepted_tokens",
+                                              "Draft tokens accepted, by draft position (1..K)", m + ["position"],
+                                              registry=r)
+        self.spec_accepted_length = Counter("tandem_spec_accepted_length",
+                                            "Speculation rounds by number of drafts accepted (0..K)",
+                                            m + ["length"], registry=r)
+        self.spec_rounds.labels(model_name)
+        self.spec_drafted.labels(model_name)
+        self.spec_accepted.labels(model_name)
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
         self.prefix_queries.labels(model_name)
@@ -78,6 +109,19 @@ class Metrics:
             self.ttft.labels(m).observe(ttft_s)
         if e2e_s is not None:
             self.e2e.labels(m).observe(e2e_s)
+
+    def spec_finished(self, spec: dict) -> None:
+        """Add one finished request's speculation statistics (runtime.engine.Event.spec)."""
+        m = self.model_name
+        self.spec_rounds.labels(m).inc(spec.get("rounds", 0))
+        self.spec_drafted.labels(m).inc(spec.get("drafted", 0))
+        self.spec_accepted.labels(m).inc(spec.get("accepted", 0))
+        for i, n in enumerate(spec.get("position_drafted", ())):
+            self.spec_position_drafted.labels(m, str(i + 1)).inc(n)
+        for i, n in enumerate(spec.get("position_accepted", ())):
+            self.spec_position_accepted.labels(m, str(i + 1)).inc(n)
+        for length, n in enumerate(spec.get("accepted_hist", ())):
+            self.spec_accepted_length.labels(m, str(length)).inc(n)
 
     def request_rejected(self, api: str, client: str | None, status: int) -> None:
         self.requests.labels(api, self._client(client), str(status)).inc()
@@ -115,7 +159,8 @@ class _EngineCollector:
         yield gauge("tandem_engine_healthy", "1 while the engine serves", 1.0 if stats.get("healthy") else 0.0)
         yield gauge("tandem_http_requests_in_flight", "Generation requests the frontend is running",
                     m.in_flight_fn() if m.in_flight_fn else 0)
-        if "spec_accepted" in stats and "spec_drafted" in stats:      # once speculation reports it
-            drafted = stats["spec_drafted"]
-            yield gauge("tandem_spec_acceptance_rate", "Accepted / drafted MTP tokens",
-                        stats["spec_accepted"] / drafted if drafted else 0.0)
+        spec = stats.get("spec")                                      # engine totals, with speculation on
+        if isinstance(spec, dict) and "accepted" in spec and "drafted" in spec:
+            drafted = spec["drafted"]
+            yield gauge("tandem_spec_acceptance_rate", "Accepted / drafted MTP tokens (engine totals)",
+                        spec["accepted"] / drafted if drafted else 0.0)

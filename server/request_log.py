@@ -8,7 +8,11 @@ per server process). Events:
   request_rejected  request_id, client, path, api, status, kind, param, message (our own error text)
   request_done      request_id, client, api, status (200, or 499 when the client went away), finish_reason,
                     prompt/completion/total/cached/reasoning tokens, timings {queue_s, ttft_s, prefill_s,
-                    decode_s, total_s, e2e_s}, parser_notes (why markup fell back to text)
+                    decode_s, total_s, e2e_s}, parser_notes (why markup fell back to text), and, only when
+                    speculation ran for the request, spec {rounds, drafted, accepted, accepted_hist (rounds by
+                    number of drafts accepted, 0..K), position_drafted / position_accepted (per draft position
+                    1..K), position_acceptance (accepted / drafted per position, null where none drafted),
+                    tokens_per_round}
   request_error     request_id, client, api, status, kind, message, tokens so far
   engine_failed     reason
   throughput        interval_s, token deltas and rates, finished / failed / cancelled deltas, scheduler gauges,
@@ -163,6 +167,17 @@ class _Nvml:
                 self.nv.nvmlShutdown()
             except Exception:
                 pass
+
+
+def spec_log_record(spec: dict) -> dict[str, Any]:
+    """request_done's `spec` from a request's speculation statistics (runtime.engine.Event.spec)."""
+    drafted, accepted = list(spec.get("position_drafted", ())), list(spec.get("position_accepted", ()))
+    tpr = spec.get("tokens_per_round")
+    return dict(rounds=spec["rounds"], drafted=spec["drafted"], accepted=spec["accepted"],
+                accepted_hist=list(spec.get("accepted_hist", ())), position_drafted=drafted,
+                position_accepted=accepted,
+                position_acceptance=[round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+                tokens_per_round=round(tpr, 4) if tpr is not None else None)
 
 
 def config_record(args: Any, argv: list[str]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
+from server.request_log import spec_log_record
+
 log = logging.getLogger(__name__)
 
 
@@ -171,12 +173,16 @@ class ToolCallEnd:
 class Finish:
     """Last delta. finish_reason: stop | length | tool_calls | cancelled; usage has prompt_tokens,
     completion_tokens, total_tokens, reasoning_tokens, cached_tokens; matched_stop: the stop string,
-    if any; notes: why markup fell back to text (parser notes)."""
+    if any; notes: why markup fell back to text (parser notes); spec: the engine's speculation statistics of
+    this request (runtime.engine.Event.spec: rounds, drafted, accepted, accepted_hist [K+1],
+    position_drafted [K], position_accepted [K], tokens_per_round), None when speculation did not run or
+    the request ended before the engine's final event (a stop string or tool call matched here)."""
     finish_reason: str
     usage: dict[str, int]
     timings: dict[str, float | None]
     matched_stop: str | None = None
     notes: list[str] = field(default_factory=list)
+    spec: dict | None = None
 
 
 Delta = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | Finish
@@ -524,10 +530,13 @@ class Service:
             u, t = finish.usage, finish.timings
             self.metrics.request_finished(who["api"], who["client"], 200, u["prompt_tokens"], u["completion_tokens"],
                                           t.get("ttft_s"), t.get("e2e_s"))
+            if finish.spec:
+                self.metrics.spec_finished(finish.spec)
         if self.request_log is not None:
+            extra = {"spec": spec_log_record(finish.spec)} if finish.spec else {}
             self.request_log.event("request_done", **who, status=200, finish_reason=finish.finish_reason,
                                    stop_string=finish.matched_stop is not None, **finish.usage,
-                                   timings=finish.timings, parser_notes=finish.notes)
+                                   timings=finish.timings, parser_notes=finish.notes, **extra)
 
     def request_failed(self, prepared: Prepared, err: APIError, completion_tokens: int) -> None:
         who = self._who(prepared)
