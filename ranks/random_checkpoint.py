@@ -444,21 +444,20 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-def write_tokenizer(out_dir: str | os.PathLike, tok) -> dict[str, int]:
-    """Write tokenizer.json and tokenizer_config.json (Qwen-style: eos <|im_end|>, pad <|endoftext|>,
-    a basic ChatML chat_template); return the ids of the special and added tokens."""
-    os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + ADDED_TOKENS}
-    decoder = {str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                             "single_word": False, "special": t in SPECIAL_TOKENS}
-               for t in SPECIAL_TOKENS + ADDED_TOKENS}
-    config = {
+def tokenizer_config(tok, template: str) -> dict[str, Any]:
+    """tokenizer_config.json of a Qwen-style tokenizer: eos <|im_end|>, pad <|endoftext|>, the added
+    tokens of `tok` (special or not) and `template` as the chat template."""
+    added = [t for t in SPECIAL_TOKENS + ADDED_TOKENS if tok.token_to_id(t) is not None]
+    decoder = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                         "single_word": False, "special": t in SPECIAL_TOKENS}
+               for t in sorted(added, key=tok.token_to_id)}
+    return {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": decoder,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "eos_token": IM_END,
         "errors": "replace",
@@ -468,7 +467,15 @@ def write_tokenizer(out_dir: str | os.PathLike, tok) -> dict[str, int]:
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+
+
+def write_tokenizer(out_dir: str | os.PathLike, tok) -> dict[str, int]:
+    """Write tokenizer.json and tokenizer_config.json (Qwen-style: eos <|im_end|>, pad <|endoftext|>,
+    a basic ChatML chat_template); return the ids of the special and added tokens."""
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + ADDED_TOKENS}
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config(tok, CHAT_TEMPLATE))
     return ids
 
 

@@ -47,8 +47,10 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import chat_data  # noqa: E402
+from ranks.random_checkpoint import tokenizer_config  # noqa: E402
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -310,27 +312,6 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     n = tok.get_vocab_size(with_added_tokens=True)
     assert ids == list(range(n - len(ALL_ADDED), n)), ids
     return tok
-
-
-def tokenizer_config(tok, template: str) -> dict:
-    decoder = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                         "single_word": False, "special": t in SPECIAL_TOKENS} for t in ALL_ADDED}
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": decoder,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
-        "bos_token": None,
-        "chat_template": template,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": IM_END,
-        "errors": "replace",
-        "model_max_length": 262144,
-        "pad_token": ENDOFTEXT,
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
 
 
 def save_tokenizer(out: str, tok, template: str) -> None:
