@@ -525,7 +525,9 @@ def model_card(text_cfg: dict, metrics: dict) -> str:
     if "loss" in ev:
         lines.append(f"- held-out perplexity {ev['perplexity']:.2f}, MTP top-1 {ev['mtp_top1']:.3f}, "
                      f"greedy 1-token draft acceptance {ev['mtp_greedy_acceptance'] or 0:.3f}")
-    lines += ["", "## Training data and licences", ""]
+    lines += ["", "## Training data and licences", "",
+              "`<stdlib>` is the CPython standard library directory (`sysconfig.get_paths()[\"stdlib\"]`); the",
+              "`/usr/share/...` paths are Debian package documentation.", ""]
     for name, s in srcs.items():
         lines.append(f"- {name}: {s.get('origin', '')} ({s.get('licence', '')})")
     lines.append("")
@@ -893,7 +895,7 @@ def main(argv: list[str] | None = None) -> dict:
                             if k not in ("data", "work_dir", "out_dir", "pack_out")},
         "params": counts,
         "config": text_cfg,
-        "data": {"dir": os.path.abspath(args.data), "train_tokens": int(len(corpus.train)),
+        "data": {"dir": os.path.basename(os.path.normpath(args.data)), "train_tokens": int(len(corpus.train)),
                  "heldout_tokens": int(len(corpus.heldout)), "sources": corpus.manifest.get("sources", {}),
                  "train_sha256": corpus.manifest["splits"]["train"]["sha256"]},
     }

@@ -189,9 +189,9 @@ def collect_sources(args) -> list[Source]:
     lib, tests = stdlib_files(libdir)
     sources: list[Source] = []
     version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    sources.append(Source("stdlib", "code", "PSF-2.0 (CPython LICENSE.txt)", f"{libdir} (CPython {version})",
+    sources.append(Source("stdlib", "code", "PSF-2.0 (CPython LICENSE.txt)", f"<stdlib> (CPython {version})",
                           args.stdlib_bytes, _take(lib, args.stdlib_bytes, None, libdir)))
-    sources.append(Source("stdlib-tests", "code", "PSF-2.0 (CPython LICENSE.txt)", f"{libdir}/**/test*",
+    sources.append(Source("stdlib-tests", "code", "PSF-2.0 (CPython LICENSE.txt)", "<stdlib>/**/test*",
                           args.tests_bytes, _take(tests, args.tests_bytes, random.Random(rng.random()), libdir)))
     docs = []
     for p in lib:
@@ -200,10 +200,10 @@ def collect_sources(args) -> list[Source]:
         d = docstring_doc(p, mod)
         if d:
             docs.append((rel + ":docstrings", d))
-    sources.append(Source("stdlib-docstrings", "prose", "PSF-2.0 (CPython LICENSE.txt)", f"{libdir} docstrings",
+    sources.append(Source("stdlib-docstrings", "prose", "PSF-2.0 (CPython LICENSE.txt)", "<stdlib> docstrings",
                           args.docstring_bytes, docs))
     sources.append(Source("python-reference", "prose", "PSF-2.0 (CPython LICENSE.txt)",
-                          f"{libdir}/pydoc_data/topics.py", args.reference_bytes, pydoc_topics(libdir)))
+                          "<stdlib>/pydoc_data/topics.py", args.reference_bytes, pydoc_topics(libdir)))
     node = sorted(glob.glob(os.path.join(args.doc_root, "nodejs", "api", "*.md")))
     if node:
         sources.append(Source("nodejs-docs", "prose", "MIT (Node.js; /usr/share/doc/nodejs/copyright)",
