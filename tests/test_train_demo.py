@@ -265,12 +265,12 @@ def test_export_matches_tandem_and_transformers(trained):
     assert 1 <= len(out) <= 4 and all(0 <= t < V for t in out)
 
 
-def test_resume_continues(trained, tmp_path):
+def test_resume_continues(corpus, trained, tmp_path):
     import shutil
 
     work = str(tmp_path / "work")
     shutil.copytree(trained[0], work)
-    metrics = train_demo.main(TRAIN_ARGS + ["--data", trained[1]["data"]["dir"], "--work-dir", work,
+    metrics = train_demo.main(TRAIN_ARGS + ["--data", corpus, "--work-dir", work,
                                             "--max-steps", "10", "--resume", "--no-export"])
     assert metrics["train"]["steps"] == 10
     assert metrics["train"]["history"][:2] == trained[1]["train"]["history"]
