@@ -28,21 +28,9 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
     """Refuse a tp that does not divide every split dimension."""
     if tp < 1:
         raise ShardError(f"tp must be >= 1, got {tp}")
-    dims = {
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-        "linear_num_key_heads": spec.linear_num_key_heads, "linear_num_value_heads": spec.linear_num_value_heads,
-        "vocab_size": spec.vocab_size,
-    }
-    if spec.is_moe:
-        dims["moe_intermediate_size"] = spec.moe_intermediate_size
-        if spec.shared_expert_intermediate_size:
-            dims["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
-    else:
-        dims["intermediate_size"] = spec.intermediate_size
-    for name, value in dims.items():
-        if value % tp:
-            raise ShardError(f"tp {tp} does not divide {name} = {value} ({spec.source}); "
-                             f"choose a tp that divides every head count and width")
+    problem = spec.tp_conflict(tp)
+    if problem:
+        raise ShardError(problem)
 
 
 def _part(n: int, rank: int, tp: int, offset: int = 0) -> slice:

@@ -115,6 +115,27 @@ class ModelSpec:
         """Value heads per key head in GDN layers (value head h reads key head h // ratio)."""
         return self.linear_num_value_heads // self.linear_num_key_heads
 
+    def tp_conflict(self, tp: int) -> str | None:
+        """Why `tp` ranks cannot split this model (a dimension it does not divide), or None.
+
+        The one rule for both sides: the coordinator checks it before spawning ranks, the ranks'
+        sharding before slicing.
+        """
+        dims = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "linear_num_key_heads": self.linear_num_key_heads,
+                "linear_num_value_heads": self.linear_num_value_heads, "vocab_size": self.vocab_size}
+        if self.is_moe:
+            dims["moe_intermediate_size"] = self.moe_intermediate_size
+            if self.shared_expert_intermediate_size:
+                dims["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        else:
+            dims["intermediate_size"] = self.intermediate_size
+        for name, value in dims.items():
+            if value % tp:
+                return (f"tp {tp} does not divide {name} = {value} ({self.source}); "
+                        "choose a tp that divides every head count and width")
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("source")

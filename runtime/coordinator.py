@@ -46,7 +46,9 @@ class Coordinator:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         self.model_dir, self.tp, self.device, self.dtype, self.options = model_dir, tp, device, dtype, options
         self.spec = load_spec(model_dir)
-        self._check_tp()
+        problem = self.spec.tp_conflict(tp)       # the ranks' rule, checked before any process starts
+        if problem:
+            raise ValueError(problem)
         max_context = options.max_context or min(self.spec.max_position_embeddings, 8192)
         if max_context > self.spec.max_position_embeddings:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings "
@@ -76,21 +78,6 @@ class Coordinator:
         self._sock = None
         self._shm = None
         self._last_beat: dict[int, float] = {}
-
-    def _check_tp(self) -> None:
-        # the same rule the ranks apply, checked here so a bad tp fails before any process starts
-        s, tp = self.spec, self.tp
-        dims = {"num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
-                "linear_num_key_heads": s.linear_num_key_heads, "linear_num_value_heads": s.linear_num_value_heads,
-                "vocab_size": s.vocab_size}
-        dims.update({"moe_intermediate_size": s.moe_intermediate_size} if s.is_moe else
-                    {"intermediate_size": s.intermediate_size})
-        if s.is_moe and s.shared_expert_intermediate_size:
-            dims["shared_expert_intermediate_size"] = s.shared_expert_intermediate_size
-        for name, value in dims.items():
-            if value % tp:
-                raise ValueError(f"tp {tp} does not divide {name} = {value} ({s.source}); choose a tp that "
-                                 "divides every head count and width")
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
