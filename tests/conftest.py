@@ -28,3 +28,35 @@ def seed(request) -> int:
     """A seed that differs per test and per run, derived from the session seed and the test id."""
     import zlib
     return (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
+
+
+def _gpu_ready() -> str | None:
+    """None when GPU tests can run, else why not."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        import cupy  # noqa: F401
+    except Exception as e:                       # torch without CUDA, or CuPy missing
+        return f"GPU stack unavailable ({type(e).__name__}: {e})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [it for it in items if "gpu" in it.keywords]
+    if not gpu_items:
+        return
+    why = _gpu_ready()
+    if why is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {why}")
+    for it in gpu_items:
+        it.add_marker(skip)
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
