@@ -181,7 +181,14 @@ class HybridModel:
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         """Logits of this rank's vocabulary shard for final-norm (or MTP) hidden rows [R, E]."""
-        return ops.lm_head(hidden, self.head)
+        return self._linear(hidden, self.head)
+
+    # The dense ops a backend may replace (the CUDA model routes them to its kernels and quantised weights).
+    def _linear(self, x: Tensor, weight) -> Tensor:
+        return ops.linear(x, weight)
+
+    def _swiglu_mlp(self, x: Tensor, w_gate, w_up, w_down) -> Tensor:
+        return ops.swiglu_mlp(x, w_gate, w_up, w_down)
 
     def _forward(self, batch: Batch, state: ModelState, logits: LogitsMode) -> StepOutput:
         s = self.spec
@@ -231,7 +238,7 @@ class HybridModel:
             return None
         if mode == "last":
             hidden = hidden[[end - 1 for _, end in batch.bounds]]
-        return ops.lm_head(hidden, self.head)
+        return self._linear(hidden, self.head)
 
     # ----------------------------------------------------------------------------------------------
     # Mixers and FFN
@@ -240,9 +247,9 @@ class HybridModel:
                    k_pool: Tensor, v_pool: Tensor) -> Tensor:
         s, w, N = self.spec, self.w, h.shape[0]
         H, KV, D = self.num_heads, self.num_kv_heads, s.head_dim
-        q, gate = ops.split_q_gate(ops.linear(h, w[p + "self_attn.q_proj.weight"]), H, D)   # [N,H,D], [N,H*D]
-        k = ops.linear(h, w[p + "self_attn.k_proj.weight"]).view(N, KV, D)
-        v = ops.linear(h, w[p + "self_attn.v_proj.weight"]).view(N, KV, D)
+        q, gate = ops.split_q_gate(self._linear(h, w[p + "self_attn.q_proj.weight"]), H, D)   # [N,H,D], [N,H*D]
+        k = self._linear(h, w[p + "self_attn.k_proj.weight"]).view(N, KV, D)
+        v = self._linear(h, w[p + "self_attn.v_proj.weight"]).view(N, KV, D)
         q = ops.apply_partial_rope(ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], s.rms_norm_eps), cos, sin)
         k = ops.apply_partial_rope(ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], s.rms_norm_eps), cos, sin)
         out = torch.empty_like(q)
@@ -251,15 +258,15 @@ class HybridModel:
             ops.paged_kv_write(k_pool, v_pool, table, positions[lo:hi], k[lo:hi], v[lo:hi])
             out[lo:hi] = ops.paged_attention(q[lo:hi], k_pool, v_pool, table, positions[lo:hi], D ** -0.5)
         o = out.reshape(N, H * D) * torch.sigmoid(gate)
-        return self.all_reduce(ops.linear(o, w[p + "self_attn.o_proj.weight"]))
+        return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 
     def _gated_deltanet(self, p: str, h: Tensor, batch: Batch, state: ModelState, j: int) -> Tensor:
         s, w, N = self.spec, self.w, h.shape[0]
         HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
         p += "linear_attn."
-        qkv = ops.linear(h, w[p + "in_proj_qkv.weight"])                       # [N, C] = [q | k | v]
-        z = ops.linear(h, w[p + "in_proj_z.weight"]).view(N, HV, DV)
-        g, beta = ops.gdn_gates(ops.linear(h, w[p + "in_proj_a.weight"]), ops.linear(h, w[p + "in_proj_b.weight"]),
+        qkv = self._linear(h, w[p + "in_proj_qkv.weight"])                       # [N, C] = [q | k | v]
+        z = self._linear(h, w[p + "in_proj_z.weight"]).view(N, HV, DV)
+        g, beta = ops.gdn_gates(self._linear(h, w[p + "in_proj_a.weight"]), self._linear(h, w[p + "in_proj_b.weight"]),
                                 w[p + "A_log"], w[p + "dt_bias"])              # [N, HV] each
         conv_w = w[p + "conv1d.weight"][:, 0, :]                               # [C, K]
         out = torch.empty(N, HV, DV, dtype=self.dtype, device=self.device)
@@ -278,7 +285,7 @@ class HybridModel:
             state.recurrent[j][slot] = rec
             out[lo:hi] = o.to(self.dtype)
         y = ops.gated_rms_norm(out, z, w[p + "norm.weight"], s.rms_norm_eps).reshape(N, HV * DV)
-        return self.all_reduce(ops.linear(y, w[p + "out_proj.weight"]))
+        return self.all_reduce(self._linear(y, w[p + "out_proj.weight"]))
 
     def _gdn_kept(self, j: int, x: Tensor, conv_w: Tensor, g: Tensor, beta: Tensor, slot: int, fresh: bool,
                   state: ModelState) -> Tensor:
@@ -301,8 +308,8 @@ class HybridModel:
         w = self.w
         p += "mlp."
         if not self.spec.is_moe:
-            return self.all_reduce(ops.swiglu_mlp(h, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
-                                                  w[p + "down_proj.weight"]))
+            return self.all_reduce(self._swiglu_mlp(h, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
+                                                    w[p + "down_proj.weight"]))
         shared = None
         if p + "shared_expert.gate_proj.weight" in w:
             shared = (w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],

@@ -625,3 +625,46 @@ def write_shards(out_dir: str, spec: ModelSpec, shards: list[list[str]], weight_
         _write_json(os.path.join(out_dir, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
         files.append(INDEX_FILE)
     return files
+
+
+# --------------------------------------------------------------------------------------------------
+# Random weights straight on the device (benchmarks, `--random-weights`)
+
+
+class _DeviceRandomSource:
+    """Stands in for a Checkpoint in ranks.sharding.load_shard: `read` draws the requested slice
+    on the device with init_for's distribution (seeded by (seed, name, slice)), so every rank
+    builds only its shard and nothing touches the disk. Shards of different ranks are not slices
+    of one common full tensor; for benchmarks and smoke runs that does not matter."""
+
+    def __init__(self, spec: ModelSpec, device: str | torch.device, seed: int):
+        self.spec, self.device, self.seed = spec, torch.device(device), seed
+        self.shapes = expected_shapes(spec, fused_experts=True, include_mtp=True)
+        self.tensors = dict(self.shapes)
+
+    def read(self, name: str, rows=None, cols=None, dtype: torch.dtype | None = None, device=None,
+             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        full = self.shapes[name]
+        index = tuple(index or ())
+        shape = tuple(len(range(*sl.indices(n))) if i < len(index) else n
+                      for i, (n, sl) in enumerate(zip(full, index + (slice(None),) * len(full))))
+        init = init_for(name, full, self.spec)
+        gen = torch.Generator(device=self.device).manual_seed(_block_seed(self.seed, f"{name}{index}", 0))
+        dtype = dtype or torch.bfloat16
+        if init.kind == "normal":
+            t = torch.randn(shape, generator=gen, dtype=torch.float32, device=self.device)
+            t.mul_(init.std).add_(init.mean)
+        else:
+            t = torch.rand(shape, generator=gen, dtype=torch.float32, device=self.device)
+            t.mul_(init.high - init.low).add_(init.low).log_()
+        return t.to(dtype)
+
+
+def random_shard(spec: ModelSpec, rank: int = 0, tp: int = 1, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s shard of a random model of `spec`, generated on `device` (any size, no files)."""
+    from ranks.sharding import load_shard
+    from ranks.weights import Layout
+    src = _DeviceRandomSource(spec, device, seed)
+    return load_shard(src, spec, rank, tp, dtype=dtype, device=device,
+                      layout=Layout(has_mtp=bool(spec.mtp_num_layers), per_expert=frozenset()))

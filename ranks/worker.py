@@ -29,6 +29,8 @@ from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
 from ranks.sampler import (SeqSampler, accept_greedy, accept_sampled, argmax_rows, gather_log_probs, sample_rows,
                            with_tokens)
+from ranks.backend import choose_backend
+from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
 from ranks.weights import Checkpoint, validate
 from runtime.config import load_spec
@@ -38,19 +40,34 @@ from transport.mailbox import Mailbox
 log = logging.getLogger(__name__)
 
 
+
+
 class Worker:
     def __init__(self, hello: msg.Hello):
         self.rank, self.tp = hello.rank, hello.tp
         torch.set_num_threads(max(1, int(hello.options.get("threads_per_rank", 1))))
         self.spec = load_spec(hello.model_dir)
-        ckpt = Checkpoint(hello.model_dir)
-        layout = validate(ckpt, self.spec)
+        opts = hello.options
         dtype = getattr(torch, hello.dtype)
         # "cuda" means one device per rank: rank r uses the r-th visible GPU
         device = f"cuda:{self.rank}" if hello.device == "cuda" else hello.device
-        weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout)
-        self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=float(hello.options.get("mailbox_timeout_s", 60)))
-        self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        backend = choose_backend(opts.get("backend", "auto"), device, dtype, opts.get("weights", "bf16"))
+        if opts.get("random_weights"):
+            weights = random_shard(self.spec, self.rank, self.tp, dtype=dtype, device=device)
+        else:
+            ckpt = Checkpoint(hello.model_dir)
+            layout = validate(ckpt, self.spec)
+            weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout)
+        self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=float(opts.get("mailbox_timeout_s", 60)))
+        if backend == "cuda":
+            from ranks.model_cuda import CudaHybridModel
+            self.model = CudaHybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce,
+                                         weight_format=opts.get("weights", "bf16"),
+                                         cuda_graphs=bool(opts.get("cuda_graphs", True)))
+        else:
+            self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages)
         self.samplers: dict[int, SeqSampler] = {}
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
@@ -58,7 +75,11 @@ class Worker:
             raise ValueError(f"speculation (spec_draft_tokens {self.spec_k}) needs MTP weights; "
                              f"{hello.model_dir} has none")
         self.stops: dict[int, frozenset[int]] = {}
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        if backend == "cuda":
+            from ranks.model_cuda import weight_bytes
+            self.weight_bytes = weight_bytes(self.model.w)
+        else:
+            self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 
     def ready(self) -> msg.Ready:
         shard = {k: list(self.model.w[k].shape) for k in ("embed_tokens.weight", "lm_head.weight")

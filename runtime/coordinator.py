@@ -135,7 +135,10 @@ class Coordinator:
                         mailbox=self._shm.name, mailbox_words=self.mailbox_words,
                         options=dict(mailbox_timeout_s=self.options.mailbox_timeout_s,
                                      threads_per_rank=self._threads_per_rank,
-                                     spec_draft_tokens=self.options.spec_draft_tokens)))
+                                     spec_draft_tokens=self.options.spec_draft_tokens,
+                                     backend=self.options.backend, weights=self.options.weights,
+                                     cuda_graphs=self.options.cuda_graphs,
+                                     random_weights=self.options.random_weights)))
             elif isinstance(m, msg.Ready):
                 if not m.ok:
                     if "needs MTP weights" in m.error:

@@ -46,6 +46,10 @@ class EngineOptions:
     threads_per_rank: int | None = None  # torch threads per rank process; default 1 (see docs/perf.md)
     log_level: str = "WARNING"
     spec_draft_tokens: int = 0           # MTP speculation: drafts per round, 1..5 (0 = off, the default)
+    backend: str = "auto"                # "auto" (CUDA kernels for bfloat16 on cuda), "cuda", "reference"
+    weights: str = "bf16"                # weight format on the device: bf16 | fp8 | fp8-block | nvfp4
+    cuda_graphs: bool = True             # capture decode steps as CUDA graphs (cuda backend)
+    random_weights: bool = False         # build random weights on the device from config.json alone
     # TEST-ONLY: called by the coordinator as hook(sequence, drafts) -> drafts after each round, to
     # force drafts right or wrong (tests/test_speculation.py); never set it in production
     spec_draft_hook: Callable | None = None
@@ -53,6 +57,10 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.spec_draft_tokens <= 5:
             raise ValueError(f"spec_draft_tokens must be 0 (off) or 1..5, got {self.spec_draft_tokens}")
+        if self.backend not in ("auto", "cuda", "reference"):
+            raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
+        if self.weights not in ("bf16", "fp8", "fp8-block", "nvfp4"):
+            raise ValueError(f"weights must be bf16, fp8, fp8-block or nvfp4, got {self.weights!r}")
 
 
 @dataclass

@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--print-token-ids", action="store_true", help="also print the generated token ids")
-    g.add_argument("--device", default="cpu", help="torch device for the reference backend (default cpu)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="activation and weight dtype (default float32)")
+    g.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="activation and weight dtype (default float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prefill columns per step")
     g.add_argument("--tp", type=_positive_int, default=1,
                    help="tensor-parallel ranks (1 runs in this process; N > 1 starts N rank processes)")
@@ -79,9 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per occurrence in the output")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise prompt and output tokens (>1)")
     add_spec_arguments(g)
+    add_backend_arguments(g)
     g.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
     return parser
+
+
+def add_backend_arguments(p) -> None:
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"],
+                   help="layer program: tandem's CUDA kernels or the torch reference ops (default auto: "
+                        "cuda for bfloat16 on a CUDA device)")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4"],
+                   help="weight format on the device, quantised on load from a 16-bit checkpoint (cuda backend)")
+    p.add_argument("--no-cuda-graph", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights built on the device from config.json alone (benchmarks, smoke tests)")
+
+
+def default_dtype(args) -> str:
+    return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
 
 def add_serve_parser(sub) -> None:
@@ -97,6 +114,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device kind of the ranks (default cpu)")
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weight / activation dtype (default float32 on cpu, bfloat16 on cuda)")
+    add_backend_arguments(s)
     s.add_argument("--max-concurrency", type=_positive_int, default=d.max_concurrency,
                    help=f"sequences decoded at once (default {d.max_concurrency})")
     s.add_argument("--max-pending", type=_positive_int, default=d.max_pending,
@@ -181,6 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.tokenizer import Tokenizer, TokenizerError, generation_defaults
 
     model_dir = args.model_dir or default_model_dir()
+    args.dtype = default_dtype(args)
     if args.device != "cpu":
         try:
             torch.empty(0, device=args.device)
@@ -231,15 +250,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.tp == 1 and not spec_k:
-            gen = LocalGenerator.from_dir(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
-                                          prefill_chunk=args.prefill_chunk)
+            from ranks.backend import build_model
+            model = build_model(model_dir, getattr(torch, args.dtype), args.device, backend=args.backend,
+                                weights=args.weights, cuda_graphs=args.cuda_graphs,
+                                random_weights=args.random_weights)
+            gen = LocalGenerator(model, prefill_chunk=args.prefill_chunk)
             for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
                 emit(token)
         else:
             from runtime import Engine, EngineError, EngineOptions
 
             options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
-                                    spec_draft_tokens=spec_k)
+                                    spec_draft_tokens=spec_k, backend=args.backend, weights=args.weights,
+                                    cuda_graphs=args.cuda_graphs, random_weights=args.random_weights)
             with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:
                 for event in engine.submit(prompt_ids, params, stop_token_ids=extra_eos if not args.ignore_eos
                                            else None):

@@ -1,0 +1,177 @@
+"""The Gated DeltaNet mixer on the GPU (kernels/cuda/gdn.cu): causal conv1d, the gated delta rule
+with its gates and q/k l2norm fused, and the gated RMSNorm, batched over sequences.
+
+Batch metadata stays on the device (int32): ``cu_seqlens`` [B+1] (sequence b owns columns
+cu_seqlens[b] .. cu_seqlens[b+1]-1 of the N flattened columns; T >= 1 each), ``slots`` [B] (its state
+slot; a negative slot means "no slot": the state starts from zeros and nothing is written back),
+``fresh`` [B] (1: the sequence starts at position 0, its conv window and recurrent state start from
+zeros whatever the slot holds). The slots of one batch must be distinct; a sequence whose column range
+is empty or outside [0, N) is skipped (its outputs are left as they were). Nothing here reads device data on the host, so every call can be
+captured in a CUDA graph; the launch shapes depend only on tensor shapes.
+
+Numerics follow kernels/reference.py (causal_conv1d, gdn_gates, gdn_prepare_qk,
+gated_delta_rule_recurrent / _states, gated_rms_norm); only fp32 summation orders differ. Verification
+columns and decode columns run the same instructions, so ``keep_states[lo + a]`` is bit for bit the
+state that decoding the first a+1 columns one at a time leaves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.launch import KernelError, check, device_of, kernel, launch
+
+Tensor = torch.Tensor
+
+_SOURCE = "gdn"
+_CONV_THREADS = 128
+_CONV_COLS = 16          # GDN_CONV_COLS in gdn.cu
+_CONV_MAX_K = 8          # GDN_CONV_MAX_K in gdn.cu
+_REC_WARPS = 4           # warps per block of the recurrent kernel (8 value columns each)
+_NORM_WARPS = 8
+_REC_KERNELS = {16: "gdn_recurrent_dk16", 32: "gdn_recurrent_dk32", 64: "gdn_recurrent_dk64",
+                128: "gdn_recurrent_dk128", 256: "gdn_recurrent_dk256"}
+
+
+def _batch(slots: Tensor, cu_seqlens: Tensor, fresh: Tensor) -> int:
+    check(slots, "slots", torch.int32, (None,))
+    B = slots.shape[0]
+    check(cu_seqlens, "cu_seqlens", torch.int32, (B + 1,))
+    check(fresh, "fresh", torch.int32, (B,))
+    return B
+
+
+def _same_device(dev: int, **tensors: Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and device_of(t) != dev:
+            raise KernelError(f"{name}: on cuda:{device_of(t)}, expected cuda:{dev} (like the other arguments)")
+
+
+def _aligned(t: Tensor, name: str, nbytes: int) -> None:
+    if t.data_ptr() % nbytes:
+        raise KernelError(f"{name}: data pointer must be {nbytes}-byte aligned (is it an offset view?)")
+
+
+def conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, cu_seqlens: Tensor, fresh: Tensor,
+           out: Tensor | None = None, update_state: bool = True, max_columns: int | None = None) -> Tensor:
+    """Depthwise causal conv + SiLU of every sequence's columns, continuing from its conv window.
+
+    x [N, C] bf16 pre-conv inputs (in_proj_qkv output), weight [C, K] bf16 (2 <= K <= 8),
+    conv_state [S, C, K-1] bf16 (window of the last K-1 inputs per slot, oldest first).
+    Returns y [N, C] bf16 = bf16(silu(bf16(sum_j w[:, j] x_{t-K+1+j}))), sum in fp32.
+    With update_state the new window (last K-1 inputs of [old window, the sequence's columns]) is
+    written to the slot; verification passes False and keeps x for the commit.
+    max_columns bounds the longest sequence (default N - B + 1, right when every T >= 1).
+    """
+    check(x, "x", torch.bfloat16, (None, None))
+    N, C = x.shape
+    check(weight, "weight", torch.bfloat16, (C, None))
+    K = weight.shape[1]
+    if not 2 <= K <= _CONV_MAX_K:
+        raise KernelError(f"weight: conv kernel width {K} outside 2..{_CONV_MAX_K}")
+    check(conv_state, "conv_state", torch.bfloat16, (None, C, K - 1))
+    B = _batch(slots, cu_seqlens, fresh)
+    dev = device_of(x)
+    if out is None:
+        out = torch.empty(N, C, dtype=torch.bfloat16, device=x.device)
+    else:
+        check(out, "out", torch.bfloat16, (N, C))
+        if out.data_ptr() == x.data_ptr() and N * C:
+            raise KernelError("out: must not alias x (later columns read earlier inputs)")
+    _same_device(dev, weight=weight, conv_state=conv_state, slots=slots, cu_seqlens=cu_seqlens, fresh=fresh,
+                 out=out)
+    if N == 0 or B == 0:
+        return out
+    longest = max(1, N - B + 1) if max_columns is None else max(1, int(max_columns))
+    chunks = -(-longest // _CONV_COLS)
+    grid = (-(-C // _CONV_THREADS), B, chunks)
+    launch(kernel(_SOURCE, "gdn_conv1d_bf16", dev), grid, (_CONV_THREADS,),
+           (out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, K, 1 if update_state else 0), device=dev)
+    return out
+
+
+def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
+                     slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, num_k_heads: int, num_v_heads: int,
+                     key_dim: int, value_dim: int, out: Tensor | None = None,
+                     keep_states: Tensor | None = None) -> Tensor:
+    """Gates, q/k l2norm and the gated delta rule over every sequence's columns.
+
+    y [N, C] bf16 conv output = [q (HK*DK) | k (HK*DK) | v (HV*DV)]; a, b [N, HV] bf16 (in_proj_a/b
+    outputs); A_log, dt_bias [HV] fp32 or bf16; state [S, HV, DK, DV] fp32. num_k_heads = HK,
+    num_v_heads = HV (HV % HK == 0; value head h reads key head h // (HV/HK)); key_dim = DK and
+    value_dim = DV are the per-head dims (DK in {16, 32, 64, 128, 256}, DV % 8 == 0). Per column and
+    value head: g = -exp(A_log) softplus(a + dt_bias), beta = bf16(sigmoid(b)),
+    q = l2norm(q) DK^-0.5, k = l2norm(k); S = exp(g) S; u = k^T S; S += k (beta (v - u))^T; o = q^T S.
+    Returns o [N, HV, DV] bf16. The slot's state is updated in place, unless keep_states
+    [N, HV, DK, DV] fp32 is given: then the live state is left alone and the state after every
+    column is written there (speculative verification).
+    """
+    HK, HV, DK, DV = int(num_k_heads), int(num_v_heads), int(key_dim), int(value_dim)
+    if HK <= 0 or HV <= 0 or HV % HK:
+        raise KernelError(f"num_v_heads {HV} must be a positive multiple of num_k_heads {HK}")
+    if DK not in _REC_KERNELS:
+        raise KernelError(f"key_dim {DK} (per head) not supported; expected one of {sorted(_REC_KERNELS)}")
+    if DV <= 0 or DV % 8:
+        raise KernelError(f"value_dim {DV} (per head) must be a positive multiple of 8")
+    C = 2 * HK * DK + HV * DV
+    check(y, "y", torch.bfloat16, (None, C))
+    N = y.shape[0]
+    check(a, "a", torch.bfloat16, (N, HV))
+    check(b, "b", torch.bfloat16, (N, HV))
+    check(A_log, "A_log", (torch.float32, torch.bfloat16), (HV,))
+    check(dt_bias, "dt_bias", (torch.float32, torch.bfloat16), (HV,))
+    check(state, "state", torch.float32, (None, HV, DK, DV))
+    B = _batch(slots, cu_seqlens, fresh)
+    dev = device_of(y)
+    if out is None:
+        out = torch.empty(N, HV, DV, dtype=torch.bfloat16, device=y.device)
+    else:
+        check(out, "out", torch.bfloat16, (N, HV, DV))
+    if keep_states is not None:
+        check(keep_states, "keep_states", torch.float32, (N, HV, DK, DV))
+        _aligned(keep_states, "keep_states", 16)
+    _same_device(dev, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots, cu_seqlens=cu_seqlens,
+                 fresh=fresh, out=out, keep_states=keep_states)
+    _aligned(y, "y", 16)
+    _aligned(state, "state", 16)
+    _aligned(out, "out", 8)
+    if N == 0 or B == 0:
+        return out
+    groups = DV // 8                                   # warps per value head
+    wpb = min(_REC_WARPS, groups)
+    grid = (-(-groups // wpb), HV, B)
+    flags = (1 if A_log.dtype == torch.bfloat16 else 0) | (2 if dt_bias.dtype == torch.bfloat16 else 0)
+    launch(kernel(_SOURCE, _REC_KERNELS[DK], dev), grid, (32 * wpb,),
+           (out, keep_states, state, y, a, b, A_log, dt_bias, flags, slots, cu_seqlens, fresh,
+            N, HK, HV, DV, float(DK ** -0.5)), device=dev)
+    return out
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """The GDN output norm: x [N, HV, DV] bf16, z [N, HV*DV] (or [N, HV, DV]) bf16, weight [DV] bf16
+    or fp32 -> [N, HV*DV] bf16 = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)) * silu(z)), as
+    kernels/reference.gated_rms_norm (the product with a bf16 weight rounded to bf16). DV % 4 == 0."""
+    check(x, "x", torch.bfloat16, (None, None, None))
+    N, HV, DV = x.shape
+    if DV % 4:
+        raise KernelError(f"x: head dim {DV} must be a multiple of 4")
+    check(z, "z", torch.bfloat16)
+    if tuple(z.shape) not in ((N, HV * DV), (N, HV, DV)):
+        raise KernelError(f"z: shape {tuple(z.shape)}, expected {(N, HV * DV)}")
+    check(weight, "weight", (torch.bfloat16, torch.float32), (DV,))
+    dev = device_of(x)
+    if out is None:
+        out = torch.empty(N, HV * DV, dtype=torch.bfloat16, device=x.device)
+    else:
+        check(out, "out", torch.bfloat16)
+        if tuple(out.shape) not in ((N, HV * DV), (N, HV, DV)):
+            raise KernelError(f"out: shape {tuple(out.shape)}, expected {(N, HV * DV)}")
+    _same_device(dev, z=z, weight=weight, out=out)
+    for t, name in ((x, "x"), (z, "z"), (out, "out")):
+        _aligned(t, name, 8)
+    rows = N * HV
+    if rows == 0:
+        return out
+    launch(kernel(_SOURCE, "gdn_gated_rms_norm_bf16", dev), (-(-rows // _NORM_WARPS),), (32 * _NORM_WARPS,),
+           (out, x, z, weight, 1 if weight.dtype == torch.bfloat16 else 0, rows, DV, float(eps)), device=dev)
+    return out

@@ -1,0 +1,54 @@
+"""Which layer-program backend a rank (or `tandem generate`) runs, and building a model with it.
+
+"reference": ranks/model.py on the torch ops of kernels/reference.py, any device and dtype (the
+oracle, and the CPU product). "cuda": ranks/model_cuda.py on tandem's CUDA kernels (bfloat16
+activations; bf16, fp8 or nvfp4 weights; CUDA graphs). "auto" picks cuda for bfloat16 on a CUDA
+device when CuPy is importable, else reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ranks.model import HybridModel
+from ranks.random_checkpoint import random_shard
+from ranks.weights import Checkpoint, load_weights
+from runtime.config import load_spec
+
+
+def choose_backend(backend: str, device: str, dtype: torch.dtype, weights: str = "bf16") -> str:
+    """"cuda" (tandem's kernels) or "reference" (torch ops on any device) for this rank.
+
+    auto picks cuda for bfloat16 on a CUDA device when CuPy is importable; quantised weights
+    need the cuda backend."""
+    on_cuda = device.startswith("cuda")
+    if backend == "auto":
+        from kernels import launch
+        backend = "cuda" if on_cuda and dtype == torch.bfloat16 and launch.available() else "reference"
+    if backend == "cuda":
+        if not on_cuda:
+            raise ValueError(f"the cuda backend needs --device cuda (got {device})")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"the cuda backend runs bfloat16; got --dtype {str(dtype).replace('torch.', '')}")
+    if weights != "bf16" and backend != "cuda":
+        raise ValueError(f"--weights {weights} needs the cuda backend (bfloat16 on --device cuda)")
+    return backend
+
+
+def build_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str, backend: str = "auto",
+                weights: str = "bf16", cuda_graphs: bool = True, random_weights: bool = False) -> HybridModel:
+    """One whole model (tp 1) in this process, on the chosen backend."""
+    spec = load_spec(model_dir)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    backend = choose_backend(backend, device, dtype, weights)
+    if random_weights:
+        w = random_shard(spec, 0, 1, dtype=dtype, device=device)
+    else:
+        w = load_weights(Checkpoint(model_dir), spec, dtype=dtype, device=device)
+    if backend == "cuda":
+        from ranks.model_cuda import CudaHybridModel
+        return CudaHybridModel(spec, w, weight_format=weights, cuda_graphs=cuda_graphs)
+    return HybridModel(spec, w)

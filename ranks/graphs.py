@@ -1,0 +1,88 @@
+"""CUDA graphs of decode and verification steps.
+
+A step is graphable when every sequence has the same number of columns T (1 for decode, K+1 for
+a speculation round) and the model's all-reduce runs on the stream. Graphs are keyed by
+(batch size B, T, page-table width P rounded up to a power of two, logits mode, state): the
+first step of a key runs eagerly (compiling kernels, creating library handles), the second is
+captured and every later one only copies its metadata (ids, positions, slots, page tables: one
+int32 buffer) into the graph's static input and replays it: no Python per layer. All graphs share
+one memory pool; their outputs stay valid until the next step of the same key.
+
+`--no-cuda-graph` (EngineOptions.cuda_graphs = False) runs every step eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ranks.model import Batch, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    storage: torch.Tensor          # static metadata input (int32)
+    out: StepOutput
+    replays: int = 0
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class GraphRunner:
+    def __init__(self, model, max_graphs: int = 96):
+        self.model = model
+        self.max_graphs = max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, Captured] = {}
+        self.seen: set[tuple] = set()
+        self.captures = 0
+        self.replays = 0
+
+    def key(self, batch: Batch, state, logits: str) -> tuple | None:
+        from ranks.model_cuda import pages_needed
+        T = batch.columns[0]
+        if any(c != T for c in batch.columns):
+            return None
+        return (len(batch.columns), T, _pow2(pages_needed(batch)), logits, id(state))
+
+    def run(self, batch: Batch, state, logits: str) -> StepOutput | None:
+        """Replay (capturing first if due) the graph of this batch's key; None = run it eagerly."""
+        key = self.key(batch, state, logits)
+        if key is None:
+            return None
+        cap = self.graphs.get(key)
+        if cap is None:
+            if key not in self.seen or len(self.graphs) >= self.max_graphs:
+                self.seen.add(key)
+                return None
+            cap = self._capture(key, state, logits)
+        self.model.device_batch(batch, key[2], storage=cap.storage)
+        cap.graph.replay()
+        cap.replays += 1
+        self.replays += 1
+        return StepOutput(cap.out.hidden, cap.out.logits, None)
+
+    def _capture(self, key: tuple, state, logits: str) -> Captured:
+        from ranks.model_cuda import DeviceBatch
+        B, T, P = key[0], key[1], key[2]
+        N = B * T
+        m = self.model
+        storage = torch.zeros(DeviceBatch.words(B, N, P), dtype=torch.int32, device=m.device)
+        db = DeviceBatch.on(storage, B, N, P, P * 64)
+        torch.cuda.synchronize(m.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = m.fast_forward(db, state, logits)
+        cap = Captured(graph, storage, out)
+        self.graphs[key] = cap
+        self.captures += 1
+        log.debug("captured a CUDA graph for B=%d T=%d pages<=%d logits=%s (%d graphs)", B, T, P, logits,
+                  len(self.graphs))
+        return cap

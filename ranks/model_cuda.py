@@ -1,0 +1,337 @@
+"""The layer program on tandem's CUDA kernels (kernels/cuda/), for one shard on one GPU.
+
+`CudaHybridModel` is a `HybridModel` whose decode and verification steps (every sequence of the
+step has at most MAX_FAST_COLUMNS columns) run batched kernels over device-side batch metadata:
+
+    embedding -> [input norm -> mixer -> all-reduce -> add + post norm -> FFN -> all-reduce
+                  -> add + next norm] x layers -> final norm -> vocabulary-shard head
+
+with no per-sequence Python, so the whole step can be captured as a CUDA graph (ranks/graphs.py)
+and replayed with only the metadata copied in. Steps with longer sequences (prefill chunks) run
+the reference layer program on the GPU, with linear layers routed through the same kernels
+(cuBLAS for many columns). Weights may be quantised on load (FP8 per-row or 128x128 blocks, NVFP4):
+the linear layers of attention, GDN and the MLP; embeddings, lm_head, norms, router, in_proj_a/b and
+conv weights stay 16-bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kernels import cuda_attention as ca
+from kernels import cuda_gdn as cg
+from kernels import cuda_linear as cl
+from kernels import cuda_misc as cm
+from kernels import launch
+from kernels.quant import QuantWeight, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
+from ranks.kvcache import ModelState
+from ranks.model import Batch, HybridModel, KeptColumns, StepOutput
+from runtime.config import FULL_ATTENTION, PAGE_SIZE, ModelSpec
+
+log = logging.getLogger(__name__)
+Tensor = torch.Tensor
+
+MAX_FAST_COLUMNS = 16
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "nvfp4")
+
+# linear layers that quantisation on load converts (suffixes of canonical names)
+QUANTISED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+             "linear_attn.out_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
+             "mlp.shared_expert.gate_up_proj.weight", "mlp.shared_expert.down_proj.weight")
+
+
+@dataclass
+class DeviceBatch:
+    """A step's metadata on the device (int32), from one host-to-device copy.
+
+    ids [N], positions [N], seq_of_col [N], cu_seqlens [B+1], slots [B], fresh [B] (1 = starts at 0),
+    page_tables [B, P], last_cols [B] (row of each sequence's last column). max_len bounds every
+    sequence's length after the step (sizes the attention's key splits).
+    """
+    B: int
+    N: int
+    P: int
+    ids: Tensor
+    positions: Tensor
+    seq_of_col: Tensor
+    cu_seqlens: Tensor
+    slots: Tensor
+    fresh: Tensor
+    page_tables: Tensor
+    last_cols: Tensor
+    max_len: int
+    storage: Tensor
+
+    @staticmethod
+    def words(B: int, N: int, P: int) -> int:
+        return 4 * N + (B + 1) + 3 * B + B * P
+
+    @classmethod
+    def on(cls, storage: Tensor, B: int, N: int, P: int, max_len: int) -> "DeviceBatch":
+        """Views of a flat int32 buffer laid out as `pack` writes it."""
+        at = 0
+
+        def take(n: int) -> Tensor:
+            nonlocal at
+            t = storage[at:at + n]
+            at += n
+            return t
+        ids, positions, seq_of_col = take(N), take(N), take(N)
+        cu_seqlens, slots, fresh = take(B + 1), take(B), take(B)
+        page_tables = take(B * P).view(B, P)
+        last_cols = take(B)
+        take(N)                                              # spare (keeps words() a simple formula)
+        return cls(B, N, P, ids, positions, seq_of_col, cu_seqlens, slots, fresh, page_tables, last_cols,
+                   max_len, storage)
+
+    @staticmethod
+    def pack(batch: Batch, P: int) -> np.ndarray:
+        B, N = len(batch.columns), sum(batch.columns)
+        cols = np.asarray(batch.columns, dtype=np.int64)
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(cols, out=cu[1:])
+        seq_of_col = np.repeat(np.arange(B), cols)
+        positions = starts[seq_of_col] + (np.arange(N) - cu[:-1][seq_of_col])
+        tables = np.zeros((B, P), dtype=np.int32)
+        pt = batch.page_tables.numpy() if isinstance(batch.page_tables, torch.Tensor) else np.asarray(batch.page_tables)
+        w = min(P, pt.shape[1])
+        tables[:, :w] = pt[:, :w]
+        parts = [batch.token_ids.numpy(), positions, seq_of_col, cu, np.asarray(batch.slots),
+                 (starts == 0).astype(np.int32), tables.reshape(-1), cu[1:] - 1, np.zeros(N)]
+        return np.concatenate([np.asarray(p).astype(np.int32, copy=False).reshape(-1) for p in parts])
+
+
+def pages_needed(batch: Batch) -> int:
+    return max((s + c + PAGE_SIZE - 1) // PAGE_SIZE for s, c in zip(batch.starts, batch.columns))
+
+
+class CudaHybridModel(HybridModel):
+    """HybridModel with decode and verification on CUDA kernels, optionally as CUDA graphs."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, Tensor], *, tp: int = 1,
+                 all_reduce: Callable[[Tensor], Tensor] | None = None, weight_format: str = "bf16",
+                 cuda_graphs: bool = True, all_reduce_capturable: bool | None = None):
+        emb = weights["embed_tokens.weight"]
+        if emb.device.type != "cuda":
+            raise ValueError(f"CudaHybridModel needs weights on a CUDA device, got {emb.device}")
+        if emb.dtype != torch.bfloat16:
+            raise ValueError(f"the CUDA kernels run bfloat16 activations; weights are {emb.dtype} "
+                             "(use the reference backend for float32)")
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format {weight_format!r}: choose from {', '.join(WEIGHT_FORMATS)}")
+        _fuse_gate_up(weights)
+        super().__init__(spec, weights, tp=tp, all_reduce=all_reduce)
+        self.weight_format = weight_format
+        if weight_format != "bf16":
+            quantise_weights(weights, weight_format)
+        self.device_index = launch.device_of(emb)
+        with torch.cuda.device(self.device_index):
+            launch.warm_up(self.device_index)
+        # a graph may only contain an all-reduce that runs on the stream (tp 1, or the GPU mailbox)
+        if all_reduce_capturable is None:
+            all_reduce_capturable = tp == 1
+        self.graphs = None
+        if cuda_graphs and all_reduce_capturable:
+            from ranks.graphs import GraphRunner
+            self.graphs = GraphRunner(self)
+        self._meta_pinned: Tensor | None = None
+        self._meta_copied: torch.cuda.Event | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # Entry points
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, state: ModelState, logits="last", keep_columns=False) -> StepOutput:
+        flags = [keep_columns] * len(batch.columns) if isinstance(keep_columns, bool) else list(keep_columns)
+        fast = max(batch.columns) <= MAX_FAST_COLUMNS and (all(flags) or not any(flags))
+        if not fast:
+            return super().forward(batch, state, logits, keep_columns)
+        keep = all(flags)
+        with torch.cuda.device(self.device_index):
+            if self.graphs is not None and not keep and logits != "all":
+                out = self.graphs.run(batch, state, logits)
+                if out is not None:
+                    return out
+            db = self.device_batch(batch)
+            return self.fast_forward(db, state, logits, batch if keep else None)
+
+    def device_batch(self, batch: Batch, P: int | None = None, storage: Tensor | None = None) -> DeviceBatch:
+        """Upload a batch's metadata (one copy through a pinned buffer)."""
+        P = P or pages_needed(batch)
+        B, N = len(batch.columns), sum(batch.columns)
+        host = torch.from_numpy(DeviceBatch.pack(batch, P))
+        if self._meta_pinned is None or self._meta_pinned.numel() < host.numel():
+            self._meta_pinned = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int32, pin_memory=True)
+            self._meta_copied = None
+        if self._meta_copied is not None:          # the previous step's copy must have left the buffer
+            self._meta_copied.synchronize()
+        pinned = self._meta_pinned[:host.numel()]
+        pinned.copy_(host)
+        if storage is None:
+            storage = torch.empty(host.numel(), dtype=torch.int32, device=self.device)
+        storage[:host.numel()].copy_(pinned, non_blocking=True)
+        self._meta_copied = torch.cuda.Event()
+        self._meta_copied.record()
+        return DeviceBatch.on(storage, B, N, P, P * PAGE_SIZE)
+
+    # ----------------------------------------------------------------------------------------------
+    # The fast program
+
+    def fast_forward(self, db: DeviceBatch, state: ModelState, logits="last",
+                     keep_batch: Batch | None = None) -> StepOutput:
+        s, w, eps = self.spec, self.w, self.spec.rms_norm_eps
+        kept = None
+        if keep_batch is not None:
+            n_gdn = len(s.linear_attention_layers)
+            B = len(keep_batch.columns)
+            kept = KeptColumns(list(range(B)), list(keep_batch.slots), list(keep_batch.columns),
+                               [[] for _ in range(n_gdn)], [[] for _ in range(n_gdn)], [[] for _ in range(n_gdn)])
+        x = cm.embedding(db.ids, w["embed_tokens.weight"])
+        h = cm.rms_norm(x, w["layers.0.input_layernorm.weight"], eps)
+        L = s.num_layers
+        for i, kind in enumerate(s.layer_types):
+            p = f"layers.{i}."
+            if kind == FULL_ATTENTION:
+                j = self.attn_index[i]
+                y = self._fast_attention(p, h, db, state.k[j], state.v[j])
+            else:
+                y = self._fast_gdn(p, h, db, state, self.gdn_index[i], keep_batch, kept)
+            x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
+            y = self._fast_ffn(p, h)
+            nxt = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < L else w["norm.weight"]
+            x, h = cm.add_rms_norm(x, y, nxt, eps)
+        if logits == "none":
+            out_logits = None
+        elif logits == "last":
+            out_logits = self._linear(h.index_select(0, db.last_cols), self.head)
+        else:
+            out_logits = self._linear(h, self.head)
+        return StepOutput(h, out_logits, kept)
+
+    def _fast_attention(self, p: str, h: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
+        s, w, N = self.spec, self.w, h.shape[0]
+        H, D = self.num_heads, s.head_dim
+        qg = self._linear(h, w[p + "self_attn.q_proj.weight"])                # [N, H*2D]
+        k = self._linear(h, w[p + "self_attn.k_proj.weight"])
+        v = self._linear(h, w[p + "self_attn.v_proj.weight"])
+        q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
+                                     s.rms_norm_eps, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
+                                     s.rotary_dim, s.rope_theta)
+        o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col, D ** -0.5,
+                                qg, max_len_hint=db.max_len)                 # [N, H*D], gated
+        return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
+
+    def _fast_gdn(self, p: str, h: Tensor, db: DeviceBatch, state: ModelState, j: int,
+                  keep_batch: Batch | None, kept: KeptColumns | None) -> Tensor:
+        s, w, N = self.spec, self.w, h.shape[0]
+        HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
+        p += "linear_attn."
+        qkv = self._linear(h, w[p + "in_proj_qkv.weight"])                     # [N, C]
+        z = self._linear(h, w[p + "in_proj_z.weight"])                          # [N, HV*DV]
+        a = self._linear(h, w[p + "in_proj_a.weight"])
+        b = self._linear(h, w[p + "in_proj_b.weight"])
+        conv_w = w[p + "conv1d.weight"].view(w[p + "conv1d.weight"].shape[0], -1)
+        keep_states = None
+        if keep_batch is not None:
+            keep_states = torch.empty(N, HV, DK, DV, dtype=torch.float32, device=h.device)
+            for i, ((lo, hi), slot, start) in enumerate(zip(keep_batch.bounds, keep_batch.slots, keep_batch.starts)):
+                old = state.conv[j][slot]
+                kept.old_conv[j].append(torch.zeros_like(old) if start == 0 else old.clone())
+                kept.conv_in[j].append(qkv[lo:hi].clone())
+                kept.states[j].append(keep_states[lo:hi])
+        y = cg.conv1d(qkv, conv_w, state.conv[j], db.slots, db.cu_seqlens, db.fresh, update_state=keep_batch is None)
+        o = cg.gated_delta_rule(y, a, b, w[p + "A_log"], w[p + "dt_bias"], state.recurrent[j], db.slots,
+                                db.cu_seqlens, db.fresh, HK, HV, DK, DV, keep_states=keep_states)
+        o = cg.gated_rms_norm(o, z, w[p + "norm.weight"], s.rms_norm_eps)
+        return self.all_reduce(self._linear(o, w[p + "out_proj.weight"]))
+
+    def _fast_ffn(self, p: str, h: Tensor) -> Tensor:
+        w = self.w
+        p += "mlp."
+        if not self.spec.is_moe:
+            mid = self._linear_swiglu(h, w[p + "gate_up_proj.weight"])
+            return self.all_reduce(self._linear(mid, w[p + "down_proj.weight"]))
+        router = self._linear(h, w[p + "gate.weight"])
+        wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
+        y = cm.moe_experts_decode(h, ids, wts, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
+        if p + "shared_expert.gate_up_proj.weight" in w:
+            sh = self._linear(self._linear_swiglu(h, w[p + "shared_expert.gate_up_proj.weight"]),
+                              w[p + "shared_expert.down_proj.weight"])
+            y = y + torch.sigmoid(self._linear(h, w[p + "shared_expert_gate.weight"])) * sh
+        return self.all_reduce(y)
+
+    # ----------------------------------------------------------------------------------------------
+    # Linear layers (kernels for few columns, cuBLAS for many; quantised weights either way)
+
+    def _linear(self, x: Tensor, weight) -> Tensor:
+        if x.dtype != torch.bfloat16 or (isinstance(weight, Tensor) and weight.dtype != torch.bfloat16):
+            return super()._linear(x, weight)
+        return cl.linear(x.contiguous(), weight)
+
+    def _linear_swiglu(self, x: Tensor, gate_up) -> Tensor:
+        if x.shape[0] <= MAX_FAST_COLUMNS:
+            return cl.linear_swiglu(x.contiguous(), gate_up)
+        g = cl.linear(x.contiguous(), gate_up)
+        half = g.shape[1] // 2
+        return torch.nn.functional.silu(g[:, :half]) * g[:, half:]
+
+    def _swiglu_mlp(self, x: Tensor, w_gate, w_up, w_down) -> Tensor:
+        # reference path (prefill chunks): gate/up are views of the fused weight unless quantised
+        return self._linear(torch.nn.functional.silu(self._linear(x, w_gate)) * self._linear(x, w_up), w_down)
+
+    def _ffn(self, p: str, h: Tensor) -> Tensor:
+        w = self.w
+        if not self.spec.is_moe:
+            q = p + "mlp."
+            mid = self._linear_swiglu(h, w[q + "gate_up_proj.weight"])
+            return self.all_reduce(self._linear(mid, w[q + "down_proj.weight"]))
+        return super()._ffn(p, h)
+
+
+def _fuse_gate_up(weights: dict[str, Tensor]) -> None:
+    """Concatenate every dense gate/up pair into one [2I, E] weight (one pass over the input per
+    step); the separate names stay as views of it."""
+    for name in [n for n in weights if n.endswith("gate_proj.weight") and ".experts." not in n]:
+        base = name[: -len("gate_proj.weight")]
+        if base + "gate_up_proj.weight" in weights:
+            continue
+        gate, up = weights[name], weights[base + "up_proj.weight"]
+        fused = torch.cat([gate, up], dim=0)
+        del gate, up
+        weights[base + "gate_up_proj.weight"] = fused
+        weights[name] = fused[: fused.shape[0] // 2]
+        weights[base + "up_proj.weight"] = fused[fused.shape[0] // 2:]
+
+
+def quantise_weights(weights: dict[str, Tensor | QuantWeight], fmt: str) -> None:
+    """Replace the QUANTISED linear weights by `fmt` (fp8 per-row, fp8-block 128x128, nvfp4) in place."""
+    fn = {"fp8": quantize_fp8_rows, "fp8-block": quantize_fp8_blocks, "nvfp4": quantize_nvfp4}[fmt]
+    for name in sorted(weights):
+        if name.endswith(QUANTISED) and isinstance(weights[name], Tensor):
+            weights[name] = fn(weights[name])
+            if name.endswith("gate_up_proj.weight"):     # the views would keep the 16-bit copy alive
+                base = name[: -len("gate_up_proj.weight")]
+                weights.pop(base + "gate_proj.weight", None)
+                weights.pop(base + "up_proj.weight", None)
+    torch.cuda.empty_cache()
+
+
+def weight_bytes(weights: dict[str, Tensor | QuantWeight]) -> int:
+    seen, total = set(), 0
+    for name, t in weights.items():
+        if isinstance(t, QuantWeight):
+            total += t.nbytes()
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total

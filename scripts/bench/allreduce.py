@@ -1,0 +1,178 @@
+"""All-reduce between two GPUs: the GPU mailbox vs NCCL vs staged copies, bf16 payloads 4 KiB .. 1 MiB.
+
+    python scripts/bench/allreduce.py [--sizes 4096,16384,...] [--per-graph 100] [--replays 50] [--out ar.json]
+
+Two processes (GPUs 0 and 1). Mailbox and NCCL run inside a captured CUDA graph of --per-graph exchanges
+replayed --replays times (CUDA events around each replay; median per exchange); staged copies cannot be
+captured and run eagerly (--per-graph exchanges per timed group, host clock). Every rank reports its
+own medians; the table shows both ranks, GB/s of payload (bf16 bytes per exchange / time) and the
+ratio of each transport's time to NCCL's. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+DEFAULT_SIZES = [4096 << k for k in range(9)]              # 4 KiB .. 1 MiB of bf16
+
+
+def _graph_us(torch, fn, x, per_graph: int, replays: int) -> list[float]:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_graph):
+            fn(x)
+    g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    del g
+    return [a.elapsed_time(b) * 1e3 / per_graph for a, b in ev]
+
+
+def _eager_us(torch, fn, x, per_graph: int, replays: int) -> list[float]:
+    for _ in range(3):
+        fn(x)
+    out = []
+    for _ in range(replays):
+        t0 = time.perf_counter()
+        for _ in range(per_graph):
+            fn(x)
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6 / per_graph)
+    return out
+
+
+def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) -> None:
+    try:
+        import torch
+        from transport.copies import StagedCopies
+        from transport.mailbox_cuda import CudaMailbox
+        from transport.nccl import NcclAllReduce
+        torch.cuda.set_device(rank)
+        dev = f"cuda:{rank}"
+        nccl = NcclAllReduce(rank, 2, init, device=rank)
+        nccl.warm_up()
+        mb = CudaMailbox(mailbox_name, rank, device=rank, timeout_s=60.0)
+        staged = StagedCopies(staged_name, rank, device=rank, timeout_s=60.0)
+        res = {"probe_us": None, "rows": []}
+        mb.barrier()
+        res["probe_us"] = mb.probe(iters=100)
+        for size in args.sizes:
+            n = size // 2
+            x = torch.randn(n, device=dev).to(torch.bfloat16)   # values grow over the repeats; timing ignores them
+            row = {"bytes": size}
+            for name, fn, graph in (("nccl", nccl.all_reduce, True), ("mailbox", mb.all_reduce, True),
+                                    ("staged", staged.all_reduce, False)):
+                nccl.barrier()
+                us = (_graph_us if graph else _eager_us)(torch, fn, x, args.per_graph, args.replays)
+                row[name] = statistics.median(us)
+            mb.synchronize()
+            res["rows"].append(row)
+        staged.close()
+        mb.close()
+        nccl.close()
+        q.put((rank, "ok", res))
+    except BaseException as e:
+        q.put((rank, type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=DEFAULT_SIZES,
+                    help="payload bytes (bf16), comma-separated")
+    ap.add_argument("--per-graph", type=int, default=100)
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    import torch
+    if torch.cuda.device_count() < 2:
+        print("needs two GPUs", file=sys.stderr)
+        return 2
+    from multiprocessing import resource_tracker
+    from transport.mailbox import create_segment
+    words = max(args.sizes) // 2
+    segs = [create_segment(2, words), create_segment(2, words)]
+    tmp = tempfile.mkdtemp(prefix="tandem-ar-")
+    init = f"file://{tmp}/init"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, q, args, segs[0].name, segs[1].name, init), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    out, failed = {}, False
+    try:
+        deadline = time.monotonic() + args.timeout
+        for _ in procs:
+            rank, status, value = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            if status != "ok":
+                print(f"rank {rank} failed: {status}: {value}", file=sys.stderr)
+                failed = True
+                break
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        for shm in segs:
+            shm.close()
+            resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            shm.unlink()
+    if failed or len(out) != 2:
+        return 1
+
+    print(f"{torch.cuda.get_device_name(0)} x2; graph of {args.per_graph} exchanges x {args.replays} replays "
+          f"(staged: eager); us per exchange, rank 0 / rank 1")
+    print(f"mailbox probe (4 KiB, graph): {out[0]['probe_us']:.2f} / {out[1]['probe_us']:.2f} us")
+    hdr = f"{'bytes':>8} | {'nccl us':>13} | {'mailbox us':>13} {'GB/s':>6} {'x nccl':>6} | " \
+          f"{'staged us':>15} {'GB/s':>6} {'x nccl':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    for r0, r1 in zip(out[0]["rows"], out[1]["rows"]):
+        b = r0["bytes"]
+        row = {"bytes": b}
+        for name in ("nccl", "mailbox", "staged"):
+            row[name] = {"rank0_us": r0[name], "rank1_us": r1[name], "us": max(r0[name], r1[name])}
+            row[name]["gbps"] = b / (row[name]["us"] * 1e3)
+            row[name]["x_nccl"] = row[name]["us"] / max(row["nccl"]["us"], 1e-9)
+        rows.append(row)
+        m, s, n = row["mailbox"], row["staged"], row["nccl"]
+        print(f"{b:>8} | {n['rank0_us']:>6.2f}/{n['rank1_us']:<6.2f} | {m['rank0_us']:>6.2f}/{m['rank1_us']:<6.2f} "
+              f"{m['gbps']:>6.2f} {m['x_nccl']:>6.2f} | {s['rank0_us']:>7.1f}/{s['rank1_us']:<7.1f} "
+              f"{s['gbps']:>6.2f} {s['x_nccl']:>6.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), per_graph=args.per_graph, replays=args.replays,
+                           probe_us=[out[0]["probe_us"], out[1]["probe_us"]], rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Decode and prefill speed of the CUDA backend on one GPU, against the memory-bandwidth floor.
+
+    python scripts/bench/decode.py --model 27b --weights bf16 fp8 nvfp4 --concurrency 1 4 8 16 32 \
+        --out decode.json [--layers 8] [--prefill 8192 65536] [--hf]
+
+Random weights of the full-size model are generated on the GPU (ranks.random_checkpoint.random_shard),
+so no checkpoint is needed. For every weight format and concurrency C it times the decode step
+(C sequences, one column each, --context tokens already in every sequence; CUDA graphs unless
+--no-graph), and divides the bytes a step must read (every weight once, the lm_head included; each
+sequence's KV; each GDN state read and written) by the HBM read bandwidth measured in the same run:
+that quotient is the floor, and floor / step is the fraction of it reached. Prefill: one sequence
+of each --prefill length in --prefill-chunk columns per step, tokens/s and the fraction of the dense
+bf16 matmul rate measured in the same run (2 x active params x tokens FLOPs). --hf: Hugging Face
+transformers on the same config with random bf16 weights (decode steps at each C) in the same run.
+
+Prints a table and writes JSON (configuration, device, commit, results) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, repo_root)
+
+import torch  # noqa: E402
+
+from ranks.kvcache import ModelState  # noqa: E402
+from ranks.model import Batch  # noqa: E402
+from ranks.random_checkpoint import random_shard, spec_for  # noqa: E402
+from runtime.config import FULL_ATTENTION, PAGE_SIZE  # noqa: E402
+
+
+def measure_bandwidth(gib: float = 4.0) -> dict:
+    """HBM read bandwidth (a reduction over a large buffer) and copy bandwidth (read + write), bytes/s."""
+    n = int(gib * (1 << 30)) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3)
+        return statistics.median(ts)
+    t_read = timed(lambda: torch.amax(a.view(-1, 4096), dim=1))
+    t_copy = timed(lambda: b.copy_(a))
+    out = dict(read_Bps=2 * n / t_read, copy_Bps=4 * n / t_copy)
+    out["floor_Bps"] = max(out["read_Bps"], out["copy_Bps"])
+    del a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def matmul_rate() -> float:
+    """Dense bf16 matmul FLOP/s (cuBLAS, [8192, 5120] x [5120, 17408])."""
+    x = torch.randn(8192, 5120, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(17408, 5120, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        x @ w.T
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        x @ w.T
+    e1.record()
+    e1.synchronize()
+    return 10 * 2 * 8192 * 5120 * 17408 / (e0.elapsed_time(e1) / 1e3)
+
+
+def step_bytes(model, spec, C: int, context: int) -> dict:
+    """Bytes one decode step of C sequences at `context` must move."""
+    from ranks.model_cuda import weight_bytes
+    w = model.w
+    emb = w["embed_tokens.weight"]
+    wb = weight_bytes({k: v for k, v in w.items() if not k.startswith("mtp.")})
+    tied = model.head.data_ptr() == emb.data_ptr()
+    wb -= emb.numel() * emb.element_size()             # only C rows of the embedding are gathered...
+    wb += C * emb.shape[1] * emb.element_size()
+    if tied:                                            # ...but a tied table is read whole as the head
+        wb += emb.numel() * emb.element_size()
+    if spec.is_moe:                                     # only the chosen experts' rows
+        X, A = spec.num_experts, spec.num_experts_per_tok
+        active = min(X, C * A)
+        for i in range(spec.num_layers):
+            for n in ("experts.gate_up_proj", "experts.down_proj"):
+                t = w[f"layers.{i}.mlp.{n}"]
+                wb -= t.numel() * t.element_size()
+                wb += t.numel() * t.element_size() * active // X
+    n_attn = sum(1 for k in spec.layer_types if k == FULL_ATTENTION)
+    n_gdn = spec.num_layers - n_attn
+    kv = n_attn * C * (context + 1) * 2 * model.num_kv_heads * spec.head_dim * 2
+    gdn = n_gdn * C * 2 * model.hv * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
+    return dict(weights=wb, kv=kv, gdn_state=gdn, total=wb + kv + gdn)
+
+
+def time_decode(model, state, C: int, context: int, steps: int) -> float:
+    pages_per_seq = (context + 1 + PAGE_SIZE - 1) // PAGE_SIZE
+    tables = torch.arange(C * pages_per_seq, dtype=torch.int32).view(C, pages_per_seq)
+    batch = Batch(torch.randint(0, model.spec.vocab_size, (C,)), [1] * C, [context] * C, list(range(C)), tables)
+    for _ in range(3):                                  # eager, capture, replay
+        model.forward(batch, state)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(steps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = model.forward(batch, state)
+        out.logits.argmax(-1)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    return statistics.median(ts)
+
+
+def time_prefill(model, state, length: int, chunk: int) -> float:
+    ids = torch.randint(0, model.spec.vocab_size, (length,))
+    pages = (length + PAGE_SIZE - 1) // PAGE_SIZE
+    tables = torch.arange(pages, dtype=torch.int32).view(1, pages)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s in range(0, length, chunk):
+        c = min(chunk, length - s)
+        model.forward(Batch(ids[s:s + c], [c], [s], [0], tables), state, logits="last" if s + c == length else "none")
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def hf_decode(spec_name: str, layers: int | None, concurrency: list[int], context: int, steps: int) -> dict:
+    """transformers on the same config, random bf16 weights, decode step time at each C."""
+    import transformers
+    from ranks.random_checkpoint import text_config
+    cfg = text_config(spec_name, num_layers=layers)
+    moe = "num_experts" in cfg
+    conf = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig)(**cfg)
+    mcls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            m = mcls(conf).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    out = {}
+    for C in concurrency:
+        ids = torch.randint(0, spec_for(spec_name).vocab_size, (C, context), device="cuda")
+        with torch.inference_mode():
+            r = m(input_ids=ids, use_cache=True)
+            past = r.past_key_values
+            nxt = r.logits[:, -1:].argmax(-1)
+            ts = []
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                r = m(input_ids=nxt, past_key_values=past, use_cache=True)
+                past = r.past_key_values
+                nxt = r.logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+        out[C] = statistics.median(ts[2:] or ts)
+        del past, r
+        torch.cuda.empty_cache()
+    del m
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="27b", help="preset of ranks.random_checkpoint (27b, 35b-a3b, small, ...)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")
+    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8", "nvfp4"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--context", type=int, default=1024, help="tokens already in each sequence")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[8192])
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="also time transformers on the same config")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from ranks.model_cuda import CudaHybridModel, _fuse_gate_up, quantise_weights
+    torch.manual_seed(0)
+    spec = spec_for(args.model, num_layers=args.layers)
+    props = torch.cuda.get_device_properties(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True,
+                            text=True).stdout.strip() or None
+    bw = measure_bandwidth()
+    mm = matmul_rate()
+    print(f"device {props.name}, {props.multi_processor_count} SMs; read {bw['read_Bps'] / 1e12:.2f} TB/s, "
+          f"copy {bw['copy_Bps'] / 1e12:.2f} TB/s, floor uses {bw['floor_Bps'] / 1e12:.2f} TB/s; "
+          f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    res = dict(model=args.model, layers=spec.num_layers, device=props.name, commit=commit,
+               date=time.strftime("%Y-%m-%d"), bandwidth=bw, matmul_flops=mm, decode=[], prefill=[], hf={})
+    t0 = time.perf_counter()
+    base = random_shard(spec, 0, 1, dtype=torch.bfloat16, device="cuda")
+    _fuse_gate_up(base)                                  # once, so each format's model shares it
+    torch.cuda.synchronize()
+    print(f"random weights: {time.perf_counter() - t0:.1f} s", flush=True)
+    max_c = max(args.concurrency)
+    rows = []
+    for fmt in args.weights:
+        weights = dict(base)
+        model = CudaHybridModel(spec, weights, weight_format="bf16", cuda_graphs=not args.no_graph)
+        if fmt != "bf16":
+            quantise_weights(model.w, fmt)
+        pages = max_c * ((args.context + 2 + PAGE_SIZE - 1) // PAGE_SIZE) + 4
+        need_prefill = max(args.prefill or [0])
+        pages = max(pages, (need_prefill + PAGE_SIZE - 1) // PAGE_SIZE + 1)
+        state = ModelState(spec, max_c, pages, torch.bfloat16, "cuda", with_mtp=False)
+        for C in args.concurrency:
+            t = time_decode(model, state, C, args.context, args.steps)
+            b = step_bytes(model, spec, C, args.context)
+            floor = b["total"] / bw["floor_Bps"]
+            r = dict(weights=fmt, C=C, step_s=t, tok_s=C / t, bytes=b, floor_s=floor, of_floor=floor / t)
+            res["decode"].append(r)
+            rows.append(r)
+            print(f"{fmt:6s} C={C:3d} step {t * 1e3:8.2f} ms  {C / t:8.1f} tok/s  floor {floor * 1e3:7.2f} ms  "
+                  f"{floor / t:6.1%} of floor", flush=True)
+        if fmt == "bf16":
+            for L in args.prefill:
+                t = time_prefill(model, state, L, args.prefill_chunk)
+                active = sum(v.numel() for k, v in model.w.items()
+                             if isinstance(v, torch.Tensor) and v.dim() == 2 and not k.startswith("mtp.")
+                             and "embed" not in k)
+                rate = 2 * active * L / t
+                res["prefill"].append(dict(tokens=L, s=t, tok_s=L / t, flops=rate, of_matmul=rate / mm))
+                print(f"prefill {L:6d} tokens: {t:7.2f} s  {L / t:9.0f} tok/s  {rate / mm:6.1%} of matmul rate",
+                      flush=True)
+        del model, weights, state
+        gc.collect()
+        torch.cuda.empty_cache()
+    del base
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.hf:
+        try:
+            res["hf"] = hf_decode(args.model, args.layers, args.concurrency, args.context, max(5, args.steps // 2))
+            for C, t in res["hf"].items():
+                ours = min(r["step_s"] for r in rows if r["C"] == C and r["weights"] == "bf16")
+                print(f"transformers bf16 C={C:3d} step {t * 1e3:8.2f} ms  {C / t:8.1f} tok/s  "
+                      f"tandem bf16 is {t / ours:5.1f}x faster")
+        except Exception as e:                         # report, do not lose the rest of the run
+            res["hf"] = dict(error=f"{type(e).__name__}: {e}")
+            print(f"transformers comparison failed: {e}")
+    print("\nweights  C   step ms   tok/s   floor ms   of floor")
+    for r in rows:
+        print(f"{r['weights']:6s} {r['C']:3d} {r['step_s'] * 1e3:8.2f} {r['tok_s']:8.1f} {r['floor_s'] * 1e3:8.2f} "
+              f"{r['of_floor']:8.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
