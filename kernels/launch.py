@@ -37,7 +37,7 @@ def available() -> bool:
     """True when CuPy imports and a CUDA device is visible."""
     try:
         import cupy  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
     return torch.cuda.is_available()
 

@@ -224,8 +224,9 @@ class CudaHybridModel(HybridModel):
         q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
                                      s.rms_norm_eps, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
                                      s.rotary_dim, s.rope_theta)
+        gate = qg.view(N, H, 2 * D)[..., D:]                                  # per head [q | gate]
         o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col, D ** -0.5,
-                                qg, max_len_hint=db.max_len)                 # [N, H*D], gated
+                                gate, max_len_hint=db.max_len)               # [N, H*D], gated
         return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 
     def _fast_gdn(self, p: str, h: Tensor, db: DeviceBatch, state: ModelState, j: int,
@@ -285,6 +286,30 @@ class CudaHybridModel(HybridModel):
     def _swiglu_mlp(self, x: Tensor, w_gate, w_up, w_down) -> Tensor:
         # reference path (prefill chunks): gate/up are views of the fused weight unless quantised
         return self._linear(torch.nn.functional.silu(self._linear(x, w_gate)) * self._linear(x, w_up), w_down)
+
+    def _attention(self, p: str, h: Tensor, batch: Batch, positions: Tensor, cos: Tensor, sin: Tensor,
+                   k_pool: Tensor, v_pool: Tensor) -> Tensor:
+        """Reference-path attention (prefill chunks) with the fused norm/rope/KV-write kernel and
+        torch's fused attention per sequence instead of materialised scores."""
+        s, w, N = self.spec, self.w, h.shape[0]
+        H, D = self.num_heads, s.head_dim
+        qg = self._linear(h, w[p + "self_attn.q_proj.weight"])
+        k = self._linear(h, w[p + "self_attn.k_proj.weight"])
+        v = self._linear(h, w[p + "self_attn.v_proj.weight"])
+        B = len(batch.columns)
+        seq_of_col = torch.repeat_interleave(torch.arange(B, dtype=torch.int32),
+                                             torch.tensor(batch.columns)).to(self.device)
+        pos32 = positions.to(torch.int32)
+        tables = batch.page_tables.to(device=self.device, dtype=torch.int32).contiguous()
+        q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
+                                     s.rms_norm_eps, pos32, seq_of_col, tables, k_pool, v_pool, s.rotary_dim,
+                                     s.rope_theta)
+        gate = qg.view(N, H, 2 * D)[..., D:]
+        o = torch.empty(N, H * D, dtype=h.dtype, device=h.device)
+        for b, (lo, hi) in enumerate(batch.bounds):
+            o[lo:hi] = ca.prefill_attention(q[lo:hi], k_pool, v_pool, tables[b], pos32[lo:hi], D ** -0.5,
+                                            gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b])
+        return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 
     def _ffn(self, p: str, h: Tensor) -> Tensor:
         w = self.w

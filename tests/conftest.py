@@ -60,3 +60,12 @@ def gpu_count() -> int:
         return torch.cuda.device_count()
     except Exception:
         return 0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print the ptxas resource report that tests/test_cuda_compile.py leaves on the config."""
+    lines = getattr(config, "_tandem_ptxas_report", None)
+    if lines:
+        terminalreporter.section("ptxas resource usage")
+        for line in lines:
+            terminalreporter.write_line(line)

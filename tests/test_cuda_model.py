@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 
-from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
 from ranks.random_checkpoint import spec_for
 from tests.util import page_table, random_weights, rel, tiny_spec

@@ -61,8 +61,6 @@ def measure_bandwidth(gib: float = 4.0) -> dict:
     t_copy = timed(lambda: b.copy_(a))
     out = dict(read_Bps=2 * n / t_read, copy_Bps=4 * n / t_copy)
     out["floor_Bps"] = max(out["read_Bps"], out["copy_Bps"])
-    del a, b
-    torch.cuda.empty_cache()
     return out
 
 
@@ -201,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True,
                             text=True).stdout.strip() or None
     bw = measure_bandwidth()
+    torch.cuda.empty_cache()
     mm = matmul_rate()
     print(f"device {props.name}, {props.multi_processor_count} SMs; read {bw['read_Bps'] / 1e12:.2f} TB/s, "
           f"copy {bw['copy_Bps'] / 1e12:.2f} TB/s, floor uses {bw['floor_Bps'] / 1e12:.2f} TB/s; "

@@ -1,0 +1,425 @@
+// Gated attention for decode and speculative verification over the paged bf16 KV cache.
+//
+//   qk_norm_rope_kv_write_bf16   per column: zero-centred RMSNorm of every q and k head, partial
+//                                NeoX rotary, q -> q_out [N, H, D], k (normed, roped) and raw v ->
+//                                the paged pools at the column's position.
+//   gqa_decode_split_g<GC>       flash-decoding: one CTA per (column, kv head x head chunk, key
+//                                split); the CTA serves the GC query heads that share the kv head
+//                                (K/V read once for all of them). Partial (max, sum, unnormalised
+//                                acc) in fp32 scratch, or -- with a single split -- the gated output
+//                                directly.
+//   gqa_decode_combine           merges the splits of one (column, head) and applies the gate.
+//
+// Layouts: pools [P, 64, KV, D] bf16; page_tables [B, max_pages] int32; positions / seq_of_col [N]
+// int32. Column n attends to keys 0..positions[n] of sequence seq_of_col[n]. Exponentials are in
+// base 2 (q is pre-scaled by scale * log2(e)); partial maxima are stored in that domain.
+#include "common.cuh"
+
+#define ATT_PAGE 64
+#define ATT_PAGE_SHIFT 6
+#define ATT_NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+__device__ __forceinline__ float fast_exp2(float x) {     // ex2.approx: 2^-inf = 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void unpack8(const uint4 r, float* f) {
+    float2 a = bf16x2_to_f32x2(r.x), b = bf16x2_to_f32x2(r.y), c = bf16x2_to_f32x2(r.z), d = bf16x2_to_f32x2(r.w);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    uint4 r;
+    r.x = pack2(f[0], f[1]); r.y = pack2(f[2], f[3]); r.z = pack2(f[4], f[5]); r.w = pack2(f[6], f[7]);
+    return r;
+}
+
+// torch: sigmoid in fp32 (accurate exp), rounded to bf16; then bf16 * bf16 rounded to bf16. The
+// division is the 2-ulp one (the IEEE one's slow-path call makes ptxas spill); bf16 rounding hides it.
+__device__ __forceinline__ float gated(float attn, float gate) {
+    const float a = bf16_round(attn);
+    const float s = bf16_round(__fdividef(1.f, 1.f + expf(-gate)));
+    return a * s;                                 // exact in fp32 (8-bit x 8-bit mantissas); caller rounds
+}
+
+// --------------------------------------------------------------------------------------------------
+// q/k norm + partial rope + paged KV write. grid (N), block 256 (8 warps); D % 8 == 0, D <= 512,
+// R even, R <= D. Row strides (elements) let qg/k/v be views of a fused projection.
+
+#define NR_WARPS 8
+#define NR_MAXD 512
+
+extern "C" __global__ void __launch_bounds__(NR_WARPS * 32)
+qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_pool, bf16_t* __restrict__ v_pool,
+                           const bf16_t* __restrict__ qg, const bf16_t* __restrict__ k,
+                           const bf16_t* __restrict__ v, const bf16_t* __restrict__ q_w,
+                           const bf16_t* __restrict__ k_w, const int* __restrict__ positions,
+                           const int* __restrict__ seq_of_col, const int* __restrict__ page_tables,
+                           int H, int KV, int D, int R, int max_pages, i64_t qg_stride, i64_t k_stride,
+                           i64_t v_stride, float eps, float theta) {
+    __shared__ float cos_s[NR_MAXD / 2], sin_s[NR_MAXD / 2];
+    __shared__ __align__(16) float row_s[NR_WARPS][NR_MAXD];
+
+    const int n = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int pos = positions[n];
+    const int half = R >> 1;
+
+    // cos/sin as the reference: inv_freq = 1 / theta^(2j/R), freq = pos * inv_freq in fp32,
+    // cos/sin in fp32 rounded to bf16.
+    for (int j = tid; j < half; j += blockDim.x) {
+        const float inv = 1.f / powf(theta, (float)(2 * j) / (float)R);
+        const float f = (float)pos * inv;
+        cos_s[j] = bf16_round(cosf(f));
+        sin_s[j] = bf16_round(sinf(f));
+    }
+    __syncthreads();
+
+    const int page = page_tables[(i64_t)seq_of_col[n] * max_pages + (pos >> ATT_PAGE_SHIFT)];
+    const i64_t slot = ((i64_t)page * ATT_PAGE + (pos & (ATT_PAGE - 1))) * KV;   // in units of heads
+
+    const int nc = D >> 3;                      // 16-byte chunks per head
+    const float inv_d = 1.f / (float)D;
+    float* row = row_s[warp];
+
+    for (int u = warp; u < H + 2 * KV; u += NR_WARPS) {
+        if (u >= H + KV) {                      // v: raw copy into the pool
+            const int h = u - H - KV;
+            const uint4* src = reinterpret_cast<const uint4*>(v + n * v_stride + (i64_t)h * D);
+            uint4* dst = reinterpret_cast<uint4*>(v_pool + (slot + h) * D);
+            for (int c = lane; c < nc; c += 32) dst[c] = src[c];
+            continue;
+        }
+        const bool is_q = u < H;
+        const int h = is_q ? u : u - H;
+        const bf16_t* src = is_q ? qg + n * qg_stride + (i64_t)h * 2 * D : k + n * k_stride + (i64_t)h * D;
+        const bf16_t* w = is_q ? q_w : k_w;
+        bf16_t* dst = is_q ? q_out + ((i64_t)n * H + h) * D : k_pool + (slot + h) * D;
+
+        float x[2][8];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int c = lane + 32 * i;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[i][e] = 0.f;
+            if (c < nc) {
+                unpack8(reinterpret_cast<const uint4*>(src)[c], x[i]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ss += x[i][e] * x[i][e];
+            }
+        }
+        ss = warp_sum(ss);
+        const float rstd = rsqrtf(ss * inv_d + eps);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int c = lane + 32 * i;
+            if (c < nc) {
+                float wf[8];
+                unpack8(reinterpret_cast<const uint4*>(w)[c], wf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float y = x[i][e] * rstd;
+                    x[i][e] = bf16_round(y * (1.f + wf[e]));
+                    row[c * 8 + e] = x[i][e];
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int c = lane + 32 * i;
+            if (c < nc) {
+                float o[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const int d = c * 8 + e;
+                    if (d < R) {
+                        const bool lo = d < half;
+                        const int j = lo ? d : d - half;
+                        const float partner = lo ? -row[d + half] : row[d - half];
+                        o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
+                    } else {
+                        o[e] = x[i][e];
+                    }
+                }
+                reinterpret_cast<uint4*>(dst)[c] = pack8(o);
+            }
+        }
+        __syncwarp();                           // row is rewritten by this warp's next head
+    }
+}
+
+// --------------------------------------------------------------------------------------------------
+// Split (flash-decoding) attention. Grid (N, KV * G / GC, S), block = ATT_WARPS warps; D is a power
+// of two in [8, 256]. Lanes are grouped by key: LPK = D / 8 lanes hold one key row (lane sl of the
+// group owns dims [8 sl, 8 sl + 8)), KPW = 32 / LPK keys per warp step. Each warp streams its keys
+// with an online softmax per lane group (ATT_U steps per iteration, all K and V loads of an
+// iteration issued together), then lane groups merge by shuffles and warps merge through shared
+// memory (deterministic order).
+//
+// Keys of split s: [s * chunk, hi) with hi = min((s + 1) * chunk, L), except the last split, which
+// runs to L (a length hint that was too small costs speed, never correctness). A split with no keys
+// exits; the combine only reads splits s with s * chunk < L.
+
+#define ATT_WARPS 4
+#define ATT_U 2
+#define ATT_MAXD 256
+
+template <int GC>
+__device__ __forceinline__ void attn_split(bf16_t* __restrict__ out, float* __restrict__ part_ml,
+                                           float* __restrict__ part_acc, const bf16_t* __restrict__ q,
+                                           const bf16_t* __restrict__ k_pool, const bf16_t* __restrict__ v_pool,
+                                           const int* __restrict__ page_tables, const int* __restrict__ positions,
+                                           const int* __restrict__ seq_of_col, const bf16_t* __restrict__ gate,
+                                           int H, int KV, int D, int max_pages, int chunk, int S,
+                                           i64_t gate_s0, i64_t gate_s1, float scale_log2) {
+    __shared__ float red_m[ATT_WARPS][GC], red_l[ATT_WARPS][GC];
+    __shared__ __align__(16) float red_acc[ATT_WARPS / 2][GC][ATT_MAXD];
+
+    const int n = blockIdx.x, s = blockIdx.z;
+    const int G = H / KV, HC = G / GC;
+    const int kvh = blockIdx.y / HC;
+    const int h0 = kvh * G + (blockIdx.y % HC) * GC;
+
+    const int L = positions[n] + 1;
+    const int lo = s * chunk;
+    if (lo >= L) return;                                    // no keys: the combine skips this split
+    const int hi = (s == S - 1) ? L : min(lo + chunk, L);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int LPK = D >> 3, KPW = 32 / LPK;
+    const int lg = lane / LPK, sl = lane - lg * LPK;
+    const int* pt = page_tables + (i64_t)seq_of_col[n] * max_pages;
+    const i64_t row_stride = (i64_t)KV * D;                 // between consecutive positions of a page
+    const i64_t col_off = (i64_t)kvh * D + sl * 8;
+
+    float qf[GC][8];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        unpack8(*reinterpret_cast<const uint4*>(q + ((i64_t)n * H + h0 + g) * D + sl * 8), qf[g]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
+    }
+
+    float m[GC], l[GC], acc[GC][8];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        m[g] = ATT_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+    }
+
+    const int per_iter = ATT_WARPS * ATT_U * KPW;
+    for (int base = lo + warp * ATT_U * KPW; base < hi; base += per_iter) {      // warp-uniform
+        uint4 kr[ATT_U], vr[ATT_U];
+        bool valid[ATT_U];
+#pragma unroll
+        for (int u = 0; u < ATT_U; ++u) {
+            const int j = base + u * KPW + lg;
+            valid[u] = j < hi;
+            if (valid[u]) {
+                const i64_t idx = ((i64_t)pt[j >> ATT_PAGE_SHIFT] * ATT_PAGE + (j & (ATT_PAGE - 1))) * row_stride + col_off;
+                kr[u] = *reinterpret_cast<const uint4*>(k_pool + idx);
+                vr[u] = *reinterpret_cast<const uint4*>(v_pool + idx);
+            } else {
+                kr[u] = make_uint4(0u, 0u, 0u, 0u);
+                vr[u] = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        float sc[ATT_U][GC];
+#pragma unroll
+        for (int u = 0; u < ATT_U; ++u) {
+            float kf[8];
+            unpack8(kr[u], kf);
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+                for (int o = LPK >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                sc[u][g] = valid[u] ? d : ATT_NEG_INF;
+            }
+        }
+        float vf[ATT_U][8];
+#pragma unroll
+        for (int u = 0; u < ATT_U; ++u) unpack8(vr[u], vf[u]);
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) mx = fmaxf(mx, sc[u][g]);
+            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
+            const float corr = fast_exp2(m[g] - ms);
+            m[g] = mx;
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) {
+                const float p = fast_exp2(sc[u][g] - ms);
+                l[g] += p;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf[u][e], acc[g][e]);
+            }
+        }
+    }
+
+    // Merge the lane groups of the warp (same dims, different keys).
+    for (int o = LPK; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mx = fmaxf(m[g], m2);
+            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
+            const float c1 = fast_exp2(m[g] - ms), c2 = fast_exp2(m2 - ms);
+            m[g] = mx;
+            l[g] = l[g] * c1 + l2 * c2;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float a2 = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+                acc[g][e] = acc[g][e] * c1 + a2 * c2;
+            }
+        }
+    }
+
+    // Merge the warps: common max, rescale, then a fixed-order tree over shared memory.
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) red_m[warp][g] = m[g];
+    }
+    __syncthreads();
+    float M[GC];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        float mx = red_m[0][g];
+#pragma unroll
+        for (int w = 1; w < ATT_WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
+        M[g] = mx;                                           // finite: the split has >= 1 key
+        const float c = fast_exp2(m[g] - mx);                // 0 for a warp without keys
+        l[g] *= c;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] *= c;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) red_l[warp][g] = l[g];
+    }
+    const bool owner = lg == 0;                              // lanes 0..LPK-1 hold the warp's dims
+#pragma unroll
+    for (int width = ATT_WARPS / 2; width >= 1; width >>= 1) {
+        if (warp >= width && warp < 2 * width && owner) {
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                float4* dst = reinterpret_cast<float4*>(&red_acc[warp - width][g][sl * 8]);
+                dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+                dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            }
+        }
+        __syncthreads();
+        if (warp < width && owner) {
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                const float4* src = reinterpret_cast<const float4*>(&red_acc[warp][g][sl * 8]);
+                const float4 a = src[0], b = src[1];
+                acc[g][0] += a.x; acc[g][1] += a.y; acc[g][2] += a.z; acc[g][3] += a.w;
+                acc[g][4] += b.x; acc[g][5] += b.y; acc[g][6] += b.z; acc[g][7] += b.w;
+            }
+        }
+        __syncthreads();
+    }
+    if (warp != 0 || !owner) return;
+
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        float lsum = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) lsum += red_l[w][g];
+        const int h = h0 + g;
+        if (S == 1) {                                        // single split: gated output directly
+            const float inv = __fdividef(1.f, lsum);
+            const bf16_t* gp = gate + n * gate_s0 + h * gate_s1 + sl * 8;
+            float gf[8], o[8];
+            unpack8(*reinterpret_cast<const uint4*>(gp), gf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = gated(acc[g][e] * inv, gf[e]);
+            *reinterpret_cast<uint4*>(out + ((i64_t)n * H + h) * D + sl * 8) = pack8(o);
+        } else {
+            const i64_t p = ((i64_t)n * H + h) * S + s;
+            if (sl == 0) {
+                part_ml[2 * p] = M[g];
+                part_ml[2 * p + 1] = lsum;
+            }
+            float4* dst = reinterpret_cast<float4*>(part_acc + p * D + sl * 8);
+            dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+        }
+    }
+}
+
+#define ATT_SPLIT_KERNEL(GC)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                     \
+    gqa_decode_split_g##GC(bf16_t* out, float* part_ml, float* part_acc, const bf16_t* q,            \
+                           const bf16_t* k_pool, const bf16_t* v_pool, const int* page_tables,       \
+                           const int* positions, const int* seq_of_col, const bf16_t* gate, int H,   \
+                           int KV, int D, int max_pages, int chunk, int S, i64_t gate_s0,            \
+                           i64_t gate_s1, float scale_log2) {                                        \
+        attn_split<GC>(out, part_ml, part_acc, q, k_pool, v_pool, page_tables, positions, seq_of_col, \
+                       gate, H, KV, D, max_pages, chunk, S, gate_s0, gate_s1, scale_log2);           \
+    }
+
+ATT_SPLIT_KERNEL(1)
+ATT_SPLIT_KERNEL(2)
+ATT_SPLIT_KERNEL(3)
+ATT_SPLIT_KERNEL(4)
+ATT_SPLIT_KERNEL(5)
+ATT_SPLIT_KERNEL(6)
+ATT_SPLIT_KERNEL(7)
+ATT_SPLIT_KERNEL(8)
+
+// --------------------------------------------------------------------------------------------------
+// Combine: grid (N, H), block 64. Thread t handles dims [4t, 4t + 4) (+ 256 per round). Reads only
+// the splits that had keys (s * chunk < L), merges them in split order and applies the gate.
+
+extern "C" __global__ void __launch_bounds__(64)
+gqa_decode_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                   const int* __restrict__ positions, const bf16_t* __restrict__ gate, int H, int D, int chunk,
+                   int S, i64_t gate_s0, i64_t gate_s1) {
+    const int n = blockIdx.x, h = blockIdx.y;
+    const int L = positions[n] + 1;
+    int active = 0;                                         // splits s with s * chunk < L
+    while (active < S && active * chunk < L) ++active;
+    const i64_t p0 = ((i64_t)n * H + h) * S;
+
+    float M = ATT_NEG_INF;
+    for (int s = 0; s < active; ++s) M = fmaxf(M, part_ml[2 * (p0 + s)]);
+    float lsum = 0.f;
+    for (int s = 0; s < active; ++s) lsum += part_ml[2 * (p0 + s) + 1] * fast_exp2(part_ml[2 * (p0 + s)] - M);
+    const float inv = __fdividef(1.f, lsum);
+
+    for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        for (int s = 0; s < active; ++s) {
+            const float w = fast_exp2(part_ml[2 * (p0 + s)] - M);
+            const float4 a = *reinterpret_cast<const float4*>(part_acc + (p0 + s) * D + d);
+            a0 = fmaf(w, a.x, a0); a1 = fmaf(w, a.y, a1); a2 = fmaf(w, a.z, a2); a3 = fmaf(w, a.w, a3);
+        }
+        const bf16_t* gp = gate + n * gate_s0 + h * gate_s1 + d;
+        const unsigned g01 = *reinterpret_cast<const unsigned*>(gp), g23 = *reinterpret_cast<const unsigned*>(gp + 2);
+        const float2 ga = bf16x2_to_f32x2(g01), gb = bf16x2_to_f32x2(g23);
+        uint2 r;
+        r.x = pack2(gated(a0 * inv, ga.x), gated(a1 * inv, ga.y));
+        r.y = pack2(gated(a2 * inv, gb.x), gated(a3 * inv, gb.y));
+        *reinterpret_cast<uint2*>(out + ((i64_t)n * H + h) * D + d) = r;
+    }
+}

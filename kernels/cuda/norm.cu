@@ -1,0 +1,173 @@
+// Embedding gather and zero-centred RMSNorm (optionally fused with the residual add), bf16.
+//
+// rms_norm:      out = bf16( (x * rsqrt(mean(x^2) + eps)) * (1 + w) ), all maths in fp32, exactly the
+//                order of kernels/reference.rms_norm (mean = sum * (1/E), then + eps, rsqrtf, two
+//                multiplies); only the fp32 summation order of sum(x^2) differs from torch's.
+// add_rms_norm:  x_new = bf16(x + y) (torch's bf16 add: fp32 sum, one RNE rounding), stored to x_out
+//                (which may alias x), then out = rms_norm(x_new).
+//
+// One block per row. The row stays in registers between the sum of squares and the output, so x is
+// read once and the in-place forms (out == x, x_out == x) are safe: every element is read and
+// written by the same thread, reads before the block reduction, writes after it.
+#include "common.cuh"
+
+#define NORM_MAXV 4      // fast path: 16-byte vectors (8 elements) per thread
+#define NORM_MAXS 16     // generic path: elements per thread
+
+__device__ __forceinline__ float norm_sq8(uint4 v, float acc) {
+    float2 a = bf16x2_to_f32x2(v.x), b = bf16x2_to_f32x2(v.y), c = bf16x2_to_f32x2(v.z), d = bf16x2_to_f32x2(v.w);
+    acc = fmaf(a.x, a.x, acc); acc = fmaf(a.y, a.y, acc);     // squares of bf16 values are exact in fp32
+    acc = fmaf(b.x, b.x, acc); acc = fmaf(b.y, b.y, acc);
+    acc = fmaf(c.x, c.x, acc); acc = fmaf(c.y, c.y, acc);
+    acc = fmaf(d.x, d.x, acc); acc = fmaf(d.y, d.y, acc);
+    return acc;
+}
+
+__device__ __forceinline__ unsigned norm_pack2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+// bf16(a + b) for two packed pairs.
+__device__ __forceinline__ unsigned norm_add2(unsigned a, unsigned b) {
+    float2 fa = bf16x2_to_f32x2(a), fb = bf16x2_to_f32x2(b);
+    return norm_pack2(__fadd_rn(fa.x, fb.x), __fadd_rn(fa.y, fb.y));
+}
+
+// bf16((x * r) * (1 + w)) for two packed pairs.
+__device__ __forceinline__ unsigned norm_scale2(unsigned x, unsigned w, float r) {
+    float2 fx = bf16x2_to_f32x2(x), fw = bf16x2_to_f32x2(w);
+    return norm_pack2(__fmul_rn(__fmul_rn(fx.x, r), __fadd_rn(1.f, fw.x)),
+                      __fmul_rn(__fmul_rn(fx.y, r), __fadd_rn(1.f, fw.y)));
+}
+
+__device__ __forceinline__ float norm_rsqrt(float sumsq, float inv_e, float eps) {
+    return rsqrtf(__fadd_rn(__fmul_rn(sumsq, inv_e), eps));      // no fma contraction: mean, then + eps
+}
+
+// Fast path: E % 8 == 0, every row pointer 16-byte aligned, E / 8 <= NORM_MAXV * blockDim.x.
+template <bool ADD>
+__device__ __forceinline__ void norm_row_v8(bf16_t* out, bf16_t* x_out, const bf16_t* x, const bf16_t* y,
+                                            const bf16_t* __restrict__ w, int E, float inv_e, float eps) {
+    __shared__ float scratch[32];
+    const long long base = (long long)blockIdx.x * E;
+    const int nvec = E >> 3;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + base);
+    const uint4* yv = reinterpret_cast<const uint4*>(y + (ADD ? base : 0));
+    uint4* xo = reinterpret_cast<uint4*>(x_out + (ADD ? base : 0));
+    uint4 v[NORM_MAXV];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NORM_MAXV; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            uint4 a = xv[i];
+            if (ADD) {
+                const uint4 b = yv[i];
+                a.x = norm_add2(a.x, b.x); a.y = norm_add2(a.y, b.y);
+                a.z = norm_add2(a.z, b.z); a.w = norm_add2(a.w, b.w);
+                xo[i] = a;
+            }
+            v[k] = a;
+            ss = norm_sq8(a, ss);
+        }
+    }
+    const float r = norm_rsqrt(block_sum(ss, scratch), inv_e, eps);
+    uint4* ov = reinterpret_cast<uint4*>(out + base);
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+#pragma unroll
+    for (int k = 0; k < NORM_MAXV; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            const uint4 wk = __ldg(wv + i);
+            uint4 o;
+            o.x = norm_scale2(v[k].x, wk.x, r); o.y = norm_scale2(v[k].y, wk.y, r);
+            o.z = norm_scale2(v[k].z, wk.z, r); o.w = norm_scale2(v[k].w, wk.w, r);
+            ov[i] = o;
+        }
+    }
+}
+
+// Generic path: any E <= NORM_MAXS * blockDim.x, 2-byte loads.
+template <bool ADD>
+__device__ __forceinline__ void norm_row_generic(bf16_t* out, bf16_t* x_out, const bf16_t* x, const bf16_t* y,
+                                                 const bf16_t* __restrict__ w, int E, float inv_e, float eps) {
+    __shared__ float scratch[32];
+    const long long base = (long long)blockIdx.x * E;
+    float v[NORM_MAXS];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NORM_MAXS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = 0.f;
+        if (i < E) {
+            float a = bf16_to_f32(x[base + i]);
+            if (ADD) {
+                const bf16_t s = f32_to_bf16(__fadd_rn(a, bf16_to_f32(y[base + i])));
+                x_out[base + i] = s;
+                a = bf16_to_f32(s);
+            }
+            v[k] = a;
+            ss = fmaf(a, a, ss);
+        }
+    }
+    const float r = norm_rsqrt(block_sum(ss, scratch), inv_e, eps);
+#pragma unroll
+    for (int k = 0; k < NORM_MAXS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < E) {
+            const float wf = bf16_to_f32(__ldg(w + i));
+            out[base + i] = f32_to_bf16(__fmul_rn(__fmul_rn(v[k], r), __fadd_rn(1.f, wf)));
+        }
+    }
+}
+
+// grid (rows), block: a multiple of 32 (<= 1024) with E / 8 <= NORM_MAXV * block.
+extern "C" __global__ void rms_norm_bf16_v8(bf16_t* out, const bf16_t* x, const bf16_t* w, int E, float inv_e,
+                                            float eps) {
+    norm_row_v8<false>(out, nullptr, x, nullptr, w, E, inv_e, eps);
+}
+
+// grid (rows), block: a multiple of 32 (<= 1024) with E <= NORM_MAXS * block.
+extern "C" __global__ void rms_norm_bf16_generic(bf16_t* out, const bf16_t* x, const bf16_t* w, int E,
+                                                 float inv_e, float eps) {
+    norm_row_generic<false>(out, nullptr, x, nullptr, w, E, inv_e, eps);
+}
+
+extern "C" __global__ void add_rms_norm_bf16_v8(bf16_t* out, bf16_t* x_out, const bf16_t* x, const bf16_t* y,
+                                                const bf16_t* w, int E, float inv_e, float eps) {
+    norm_row_v8<true>(out, x_out, x, y, w, E, inv_e, eps);
+}
+
+extern "C" __global__ void add_rms_norm_bf16_generic(bf16_t* out, bf16_t* x_out, const bf16_t* x,
+                                                     const bf16_t* y, const bf16_t* w, int E, float inv_e,
+                                                     float eps) {
+    norm_row_generic<true>(out, x_out, x, y, w, E, inv_e, eps);
+}
+
+// Embedding gather: out[n, :] = table[clamp(ids[n], 0, V - 1), :]. Out-of-range ids are clamped so
+// that nothing is read out of bounds (the host validates ids where it can).
+__device__ __forceinline__ long long emb_row(const void* ids, int ids64, int n, int V) {
+    long long id = ids64 ? reinterpret_cast<const i64_t*>(ids)[n] : (long long)reinterpret_cast<const int*>(ids)[n];
+    return id < 0 ? 0 : (id >= V ? (long long)V - 1 : id);
+}
+
+// grid (N, ceil(E / 8 / block)), E % 8 == 0 and 16-byte aligned table and out.
+extern "C" __global__ void embedding_bf16_v8(bf16_t* out, const void* ids, int ids64, const bf16_t* table, int V,
+                                             int E) {
+    const int n = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= (E >> 3)) return;
+    const long long row = emb_row(ids, ids64, n, V);
+    const uint4* src = reinterpret_cast<const uint4*>(table + row * E);
+    reinterpret_cast<uint4*>(out + (long long)n * E)[i] = __ldg(src + i);
+}
+
+// grid (N, ceil(E / block)), any E.
+extern "C" __global__ void embedding_bf16_generic(bf16_t* out, const void* ids, int ids64, const bf16_t* table,
+                                                  int V, int E) {
+    const int n = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= E) return;
+    const long long row = emb_row(ids, ids64, n, V);
+    out[(long long)n * E + i] = __ldg(table + row * E + i);
+}

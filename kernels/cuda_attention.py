@@ -1,0 +1,268 @@
+"""Gated attention on the GPU: q/k norm + rope + paged KV write, batched decode/verification
+attention (flash-decoding over the paged bf16 pools) and a prefill path. Kernels: cuda/attention.cu.
+
+Batch metadata lives on the device so every call is CUDA-graph capturable (no host sync, no
+data-dependent Python): positions [N] int32 (position of each column), seq_of_col [N] int32 (the
+sequence of each column), page_tables [B, max_pages] int32 (page ids into pools [P, 64, KV, D]).
+A sequence's columns sit at consecutive positions; column n attends to keys 0..positions[n].
+
+    q = qk_norm_rope_kv_write(qg, k, v, q_norm_w, k_norm_w, eps, positions, seq_of_col,
+                              page_tables, k_pool, v_pool, rotary_dim, theta)
+    o = decode_attention(q, k_pool, v_pool, page_tables, positions, seq_of_col, D ** -0.5,
+                         gate, max_len_hint=bucket_max_context)              # [N, H*D] gated
+
+Numerics follow kernels/reference.py in bf16: norms in fp32 rounded to bf16, cos/sin rounded to
+bf16 and the rotation done in bf16 steps, softmax in fp32, the attention output rounded to bf16 and
+multiplied by bf16(sigmoid(gate)) with one more bf16 rounding. (The reference also rounds the
+probabilities to bf16 before P.V; the kernel keeps them in fp32.)
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import launch as L
+from kernels.launch import KernelError, check
+
+PAGE_SIZE = 64
+_SRC = "attention"
+_LOG2E = 1.4426950408889634
+_NR_THREADS = 256                # qk_norm_rope_kv_write_bf16
+_NR_MAXD = 512
+_ATT_THREADS = 128               # gqa_decode_split_g* (4 warps)
+_ATT_MAXG = 8                    # query heads per CTA (instantiated 1..8)
+_COMBINE_THREADS = 64
+_MIN_CHUNK = 256                 # keys per split at least (amortises the split's q load and merge)
+_WAVES = 2                       # aim for this many CTAs per SM when choosing splits
+
+__all__ = ["qk_norm_rope_kv_write", "decode_attention", "prefill_attention", "choose_splits"]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _rows(t: torch.Tensor, name: str, n: int, cols: int) -> torch.Tensor:
+    """A bf16 [n, cols] matrix (or [n, a, b] with a*b = cols) whose rows may be strided (views of a
+    fused projection); returned as 2-D with unit last stride, 16-byte aligned rows (copied if not)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        raise KernelError(f"{name}: expected a CUDA tensor")
+    if t.dtype != torch.bfloat16:
+        raise KernelError(f"{name}: dtype {t.dtype}, expected torch.bfloat16")
+    if t.dim() == 3:
+        t = t.flatten(1)
+    if t.dim() != 2 or t.shape[0] != n or t.shape[1] != cols:
+        raise KernelError(f"{name}: shape {tuple(t.shape)}, expected ({n}, {cols})")
+    if t.stride(1) != 1 or (n > 1 and t.stride(0) % 8) or not _aligned(t):
+        t = t.contiguous()
+    return t
+
+
+def _meta(positions: torch.Tensor, seq_of_col: torch.Tensor, page_tables: torch.Tensor, n: int) -> None:
+    check(positions, "positions", torch.int32, (n,))
+    check(seq_of_col, "seq_of_col", torch.int32, (n,))
+    check(page_tables, "page_tables", torch.int32, (None, None))
+
+
+def _pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:
+    check(k_pool, "k_pool", torch.bfloat16, (None, PAGE_SIZE, None, None))
+    check(v_pool, "v_pool", torch.bfloat16, tuple(k_pool.shape))
+    if not (_aligned(k_pool) and _aligned(v_pool)):
+        raise KernelError("k_pool/v_pool must be 16-byte aligned")
+    return k_pool.shape[2], k_pool.shape[3]
+
+
+# --------------------------------------------------------------------------------------------------
+# q/k norm + rope + KV write
+
+
+def qk_norm_rope_kv_write(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor,
+                          k_norm_w: torch.Tensor, eps: float, positions: torch.Tensor, seq_of_col: torch.Tensor,
+                          page_tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rotary_dim: int,
+                          theta: float, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero-centred RMSNorm of every q and k head, partial NeoX rope over the first rotary_dim dims,
+    q -> q_out [N, H, D]; normed+roped k and raw v stored in the pools at each column's position.
+
+    qg [N, H*2*D] (per head [q | gate], the q_proj output), k, v [N, KV*D] (rows may be strided),
+    q_norm_w, k_norm_w [D] bf16. Returns q_out.
+    """
+    KV, D = _pools(k_pool, v_pool)
+    N = qg.shape[0]
+    if D % 8 or D > _NR_MAXD:
+        raise KernelError(f"head_dim {D}: need a multiple of 8 <= {_NR_MAXD}")
+    if qg.dim() != 2 or qg.shape[1] % (2 * D):
+        raise KernelError(f"qg: shape {tuple(qg.shape)}, expected (N, H*2*{D})")
+    H = qg.shape[1] // (2 * D)
+    if rotary_dim % 2 or not 0 < rotary_dim <= D:
+        raise KernelError(f"rotary_dim {rotary_dim}: need an even value in (0, {D}]")
+    qg = _rows(qg, "qg", N, H * 2 * D)
+    k = _rows(k, "k", N, KV * D)
+    v = _rows(v, "v", N, KV * D)
+    for w, name in ((q_norm_w, "q_norm_w"), (k_norm_w, "k_norm_w")):
+        check(w, name, torch.bfloat16, (D,))
+        if not _aligned(w):
+            raise KernelError(f"{name} must be 16-byte aligned")
+    _meta(positions, seq_of_col, page_tables, N)
+    if q_out is None:
+        q_out = torch.empty(N, H, D, dtype=torch.bfloat16, device=qg.device)
+    check(q_out, "q_out", torch.bfloat16, (N, H, D))
+    if not _aligned(q_out):
+        raise KernelError("q_out must be 16-byte aligned")
+    if N == 0:
+        return q_out
+    dev = L.device_of(qg)
+    fn = L.kernel(_SRC, "qk_norm_rope_kv_write_bf16", dev)
+    L.launch(fn, (N,), (_NR_THREADS,),
+             (q_out, k_pool, v_pool, qg, k, v, q_norm_w, k_norm_w, positions, seq_of_col, page_tables,
+              H, KV, D, int(rotary_dim), page_tables.shape[1], np.int64(qg.stride(0)), np.int64(k.stride(0)),
+              np.int64(v.stride(0)), np.float32(eps), np.float32(theta)), device=dev)
+    return q_out
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode / verification attention
+
+
+def _head_chunk(groups: int) -> int:
+    """Query heads per CTA: the largest divisor of `groups` that is <= 8."""
+    return max(c for c in range(1, _ATT_MAXG + 1) if groups % c == 0)
+
+
+def choose_splits(n_cols: int, kv_heads: int, groups: int, max_len: int, sms: int) -> tuple[int, int]:
+    """(splits, chunk): key splits per (column, kv head) and keys per split (a multiple of 64).
+
+    Enough CTAs for ~_WAVES per SM, but no split shorter than _MIN_CHUNK keys of the bound max_len.
+    The kernel's last split runs to the true length, so a bound that is too small stays correct.
+    """
+    max_len = max(int(max_len), 1)
+    ctas = max(1, n_cols * kv_heads * (groups // _head_chunk(groups)))
+    want = max(1, -(-_WAVES * sms // ctas))
+    splits = max(1, min(want, -(-max_len // _MIN_CHUNK)))
+    chunk = -(-max_len // splits)
+    chunk = -(-chunk // PAGE_SIZE) * PAGE_SIZE
+    return -(-max_len // chunk), chunk
+
+
+def _gate(gate: torch.Tensor, N: int, H: int, D: int) -> tuple[torch.Tensor, int, int]:
+    """gate as (tensor, column stride, head stride): [N, H*D] or [N, H, D] with unit last stride
+    (e.g. qg.view(N, H, 2*D)[..., D:], no copy); copied when the layout does not fit 16-byte loads."""
+    if not isinstance(gate, torch.Tensor) or gate.device.type != "cuda" or gate.dtype != torch.bfloat16:
+        raise KernelError("gate: expected a bf16 CUDA tensor")
+    if gate.dim() == 2:
+        if tuple(gate.shape) != (N, H * D):
+            raise KernelError(f"gate: shape {tuple(gate.shape)}, expected ({N}, {H * D})")
+        s0, s1, s2 = gate.stride(0), D, gate.stride(1)
+    elif gate.dim() == 3:
+        if tuple(gate.shape) != (N, H, D):
+            raise KernelError(f"gate: shape {tuple(gate.shape)}, expected ({N}, {H}, {D})")
+        s0, s1, s2 = gate.stride(0), gate.stride(1), gate.stride(2)
+    else:
+        raise KernelError(f"gate: shape {tuple(gate.shape)}, expected ({N}, {H * D}) or ({N}, {H}, {D})")
+    if s2 != 1 or s0 % 8 or s1 % 8 or not _aligned(gate):
+        gate = gate.reshape(N, H * D).contiguous()
+        s0, s1 = H * D, D
+    return gate, s0, s1
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
+                     positions: torch.Tensor, seq_of_col: torch.Tensor, scale: float, gate: torch.Tensor,
+                     out: torch.Tensor | None = None, max_len_hint: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of N columns (any mix of sequences, T >= 1 columns each) against the
+    paged KV, gated: out [N, H*D] = bf16(attn) * bf16(sigmoid(gate)) in bf16.
+
+    q [N, H, D] bf16 (from qk_norm_rope_kv_write); gate [N, H*D] or [N, H, D] (strided view ok).
+    max_len_hint: a host-side bound on every column's key count (the bucket's max context); it
+    picks the number of key splits (default: the page table width * 64). Lengths themselves are
+    read on the device; a hint that is too small is slower, never wrong.
+    """
+    KV, D = _pools(k_pool, v_pool)
+    check(q, "q", torch.bfloat16, (None, None, D))
+    N, H = q.shape[0], q.shape[1]
+    if H % KV:
+        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
+    if D < 8 or D > 256 or D & (D - 1):
+        raise KernelError(f"head_dim {D}: the decode kernel needs a power of two in [8, 256]")
+    if not _aligned(q):
+        raise KernelError("q must be 16-byte aligned")
+    _meta(positions, seq_of_col, page_tables, N)
+    gate, gs0, gs1 = _gate(gate, N, H, D)
+    if out is None:
+        out = torch.empty(N, H * D, dtype=torch.bfloat16, device=q.device)
+    check(out, "out", torch.bfloat16, (N, H * D))
+    if not _aligned(out):
+        raise KernelError("out must be 16-byte aligned")
+    if N == 0:
+        return out
+
+    dev = L.device_of(q)
+    G = H // KV
+    GC = _head_chunk(G)
+    bound = page_tables.shape[1] * PAGE_SIZE
+    max_len = bound if max_len_hint is None else max(1, min(int(max_len_hint), bound))
+    S, chunk = choose_splits(N, KV, G, max_len, L.sm_count(dev))
+    if S > 1:
+        part_ml = torch.empty(N, H, S, 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(N, H, S, D, dtype=torch.float32, device=q.device)
+    else:
+        part_ml = part_acc = None
+    fn = L.kernel(_SRC, f"gqa_decode_split_g{GC}", dev)
+    L.launch(fn, (N, KV * (G // GC), S), (_ATT_THREADS,),
+             (out, part_ml, part_acc, q, k_pool, v_pool, page_tables, positions, seq_of_col, gate,
+              H, KV, D, page_tables.shape[1], chunk, S, np.int64(gs0), np.int64(gs1),
+              np.float32(scale * _LOG2E)), device=dev)
+    if S > 1:
+        fn = L.kernel(_SRC, "gqa_decode_combine", dev)
+        L.launch(fn, (N, H), (_COMBINE_THREADS,),
+                 (out, part_ml, part_acc, positions, gate, H, D, chunk, S, np.int64(gs0), np.int64(gs1)),
+                 device=dev)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefill (torch fallback)
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table_row: torch.Tensor,
+                      positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of one sequence's T columns (q [T, H, D] at positions [T]) against its
+    paged KV (already written for every position <= max(positions)).
+
+    Not a custom kernel: the keys are gathered from the pool and torch's scaled_dot_product_attention
+    runs with an explicit causal mask, the query heads of a kv head folded into the query axis (no
+    KV repeat). Returns [T, H, D] bf16, or with `gate` the gated [T, H*D] (reference epilogue).
+    `length` (keys to gather) defaults to max(positions) + 1, which reads it on the host: pass it
+    (or use decode_attention) inside a CUDA graph.
+    """
+    KV, D = _pools(k_pool, v_pool)
+    check(q, "q", torch.bfloat16, (None, None, D))
+    T, H = q.shape[0], q.shape[1]
+    if H % KV:
+        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
+    G = H // KV
+    check(positions, "positions", torch.int32, (T,))
+    check(page_table_row, "page_table_row", torch.int32, (None,))
+    if length is None:
+        length = int(positions.max()) + 1
+    pos = torch.arange(length, device=q.device)
+    pages = page_table_row.long()[pos // PAGE_SIZE]
+    k = k_pool[pages, pos % PAGE_SIZE].permute(1, 0, 2)                     # [KV, L, D]
+    v = v_pool[pages, pos % PAGE_SIZE].permute(1, 0, 2)
+    qf = q.view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)       # row g*T + t
+    mask = pos[None, :] <= positions.long()[:, None]                         # [T, L]
+    o = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=mask.repeat(G, 1)[None, None],
+                                       scale=scale)[0]                      # [KV, G*T, D]
+    o = o.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H, D)
+    if gate is None:
+        if out is not None:
+            out.copy_(o)
+            return out
+        return o
+    y = o.reshape(T, H * D) * torch.sigmoid(gate.reshape(T, H * D))
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

@@ -1,0 +1,265 @@
+"""Decode linear layers on the GPU: y[T, O] = x[T, I] @ W[O, I]^T, bf16 or quantised weights.
+
+T <= 16 runs the GEMV kernels of kernels/cuda/gemv.cu (weights dequantised in registers, each weight
+byte read once for all T columns). T > 16 (prefill) dequantises row slabs into a bf16 scratch with a
+kernel and calls torch.matmul (cuBLAS). Everything launches on torch's current stream without host
+syncs, so it captures into CUDA graphs.
+
+    linear(x, w, out=None, residual=None)   w: bf16 [O, I] tensor or QuantWeight
+    linear_swiglu(x, w_gate_up, out=None)   w_gate_up: [2F, I] (gate rows then up rows) -> [T, F]
+    dequantize(w) -> bf16 [O, I]
+    route(O, I, T, kind, sm_count, swiglu=False) -> dict
+    bytes_read(O, I, T, kind) -> int        (the traffic floor a benchmark divides by)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import launch as L
+from .quant import QuantWeight
+
+MAX_GEMV_COLUMNS = 16
+WARPS = 8
+ROWS_PER_WARP = 2
+_NT_BUCKETS = (1, 2, 4, 8, 16)
+_KIND_TAG = {"bf16": "bf16", "fp8_row": "fp8row", "fp8_block": "fp8blk", "nvfp4": "nvfp4"}
+_EPC = {"bf16": 8, "fp8_row": 16, "fp8_block": 16, "nvfp4": 32, "nvfp4h": 16}
+_DEQUANT_KIND = {"fp8_row": 1, "fp8_block": 2, "nvfp4": 3}
+PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
+
+
+def _kind_of(w) -> str:
+    return w.kind if isinstance(w, QuantWeight) else "bf16"
+
+
+def _vector_rule(kind: str) -> int:
+    return {"bf16": 8, "fp8_row": 16, "fp8_block": 16, "nvfp4": 16}[kind]
+
+
+def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False) -> dict:
+    """The launch plan for one linear: which kernel, how many warps split a row pair, the grid.
+
+    A unit is two weight rows (gate row f and up row F+f for SwiGLU); a block of 8 warps covers
+    8/ks units, ks warps splitting I. ks is the smallest of 1, 2, 4, 8 that gives >= 4 blocks per SM
+    (so small-O layers still fill the GPU), capped so that each of the ks warps gets at least one
+    16-byte chunk per lane (ks * 32 <= chunks per row). T > 16 routes to dequantise + cuBLAS.
+    """
+    if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
+        raise L.KernelError(f"route: unknown weight kind {kind!r}")
+    if T > MAX_GEMV_COLUMNS:
+        return {"path": "dequant_matmul", "kind": kind, "T": T,
+                "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
+    ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
+    nt = next(b for b in _NT_BUCKETS if b >= T)
+    if ekind == "nvfp4h":
+        nt = 16                                       # slow path for I % 32 == 16: one instantiation
+    units = O // 2 if swiglu else (O + 1) // 2
+    chunks = I // _EPC[ekind]
+    ks_cap = 1
+    while ks_cap < WARPS and (ks_cap * 2) * 32 <= chunks:
+        ks_cap *= 2
+    ks = ks_cap
+    for cand in (1, 2, 4, 8):
+        if cand > ks_cap:
+            break
+        if -(-units // (WARPS // cand)) >= 4 * sm_count:
+            ks = cand
+            break
+    blocks = -(-units // (WARPS // ks))
+    tag = _KIND_TAG.get(ekind, ekind)
+    return {"path": "gemv", "kind": kind, "kernel": f"gemv_{tag}_t{nt}", "nt": nt, "ks": ks,
+            "units": units, "rows_per_warp": ROWS_PER_WARP, "block": (32 * WARPS,), "grid": (blocks,),
+            "T": T}
+
+
+def bytes_read(O: int, I: int, T: int, kind: str) -> int:
+    """Bytes a decode linear must move: weights (+scales) + x + y (bf16)."""
+    if kind == "bf16":
+        w = O * I * 2
+    elif kind == "fp8_row":
+        w = O * I + 4 * O
+    elif kind == "fp8_block":
+        w = O * I + 4 * (-(-O // 128)) * (-(-I // 128))
+    elif kind == "nvfp4":
+        w = O * I // 2 + O * (I // 16) + 4
+    else:
+        raise L.KernelError(f"bytes_read: unknown weight kind {kind!r}")
+    return w + T * I * 2 + T * O * 2
+
+
+def _aligned(t: torch.Tensor, name: str, n: int) -> None:
+    if t.data_ptr() % n:
+        raise L.KernelError(f"{name}: data pointer must be {n}-byte aligned (got offset {t.data_ptr() % n})")
+
+
+def _check_weight(w, name: str):
+    """-> (kind, O, I, data, scale, gscale, sb)"""
+    if isinstance(w, QuantWeight):
+        O, I = w.out_features, w.in_features
+        L.check(w.data, f"{name}.data", torch.uint8)
+        if w.kind == "nvfp4":
+            L.check(w.scale, f"{name}.scale", torch.uint8, (O, I // 16))
+            L.check(w.global_scale, f"{name}.global_scale", torch.float32, (1,))
+        elif w.kind == "fp8_row":
+            L.check(w.scale, f"{name}.scale", torch.float32, (O,))
+        else:
+            L.check(w.scale, f"{name}.scale", torch.float32, (-(-O // 128), -(-I // 128)))
+        rule = _vector_rule(w.kind)
+        if I % rule:
+            raise L.KernelError(f"{name}: {w.kind} needs in_features % {rule} == 0, got {I}")
+        _aligned(w.data, f"{name}.data", 8 if (w.kind == "nvfp4" and I % 32) else 16)
+        _aligned(w.scale, f"{name}.scale", 4)
+        for t, n in ((w.scale, "scale"), (w.global_scale, "global_scale")):
+            if t is not None and t.device != w.data.device:
+                raise L.KernelError(f"{name}.{n}: on {t.device}, data on {w.data.device}")
+        return w.kind, O, I, w.data, w.scale, w.global_scale, -(-I // 128)
+    L.check(w, name, torch.bfloat16)
+    if w.dim() != 2:
+        raise L.KernelError(f"{name}: expected [O, I], got shape {tuple(w.shape)}")
+    O, I = w.shape
+    if I % 8:
+        raise L.KernelError(f"{name}: bf16 weights need in_features % 8 == 0, got {I}")
+    _aligned(w, name, 16)
+    return "bf16", O, I, w, None, None, 0
+
+
+def _check_x(x: torch.Tensor, I: int, dev) -> int:
+    L.check(x, "x", torch.bfloat16)
+    if x.dim() != 2 or x.shape[1] != I:
+        raise L.KernelError(f"x: shape {tuple(x.shape)}, expected [T, {I}]")
+    if x.shape[0] < 1:
+        raise L.KernelError("x: needs at least one column (T >= 1)")
+    if x.device != dev:
+        raise L.KernelError(f"x: on {x.device}, weight on {dev}")
+    _aligned(x, "x", 16)
+    return x.shape[0]
+
+
+def _out(out, shape, dev, name="out"):
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=dev)
+    L.check(out, name, torch.bfloat16, shape)
+    if out.device != dev:
+        raise L.KernelError(f"{name}: on {out.device}, expected {dev}")
+    return out
+
+
+def _gemv(x, w, out, residual, swiglu: bool):
+    kind, O, I, data, scale, gscale, sb = _check_weight(w, "w")
+    dev = data.device
+    T = _check_x(x, I, dev)
+    r = route(O, I, T, kind, L.sm_count(L.device_of(x)), swiglu=swiglu)
+    fn = L.kernel("gemv", r["kernel"], L.device_of(x))
+    mode = 2 if swiglu else (1 if residual is not None else 0)
+    Fh = O // 2 if swiglu else 0
+    L.launch(fn, r["grid"], r["block"],
+             (out, x, data, scale, gscale, residual, O, I, T, r["ks"], mode, Fh, sb),
+             device=L.device_of(x))
+    return out
+
+
+def dequantize(w, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 [O, I] weight, computed by the dequant kernel (bit-exact with QuantWeight.dequantize)."""
+    if not isinstance(w, QuantWeight):
+        L.check(w, "w", torch.bfloat16)
+        return w
+    kind, O, I, data, scale, gscale, sb = _check_weight_any_i16(w)
+    out = _out(out, (O, I), data.device)
+    _aligned(out, "out", 16)
+    groups = O * (I // 16)
+    dev = L.device_of(data)
+    blocks = max(1, min(-(-groups // 256), L.sm_count(dev) * 8))
+    L.launch(L.kernel("gemv", "dequant_bf16", dev), (blocks,), (256,),
+             (out, data, scale, gscale, O, I, _DEQUANT_KIND[kind], sb), device=dev)
+    return out
+
+
+def _check_weight_any_i16(w: QuantWeight):
+    """Dequantisation works for any I % 16 == 0 (nvfp4 included)."""
+    O, I = w.out_features, w.in_features
+    L.check(w.data, "w.data", torch.uint8)
+    if I % 16:
+        raise L.KernelError(f"w: {w.kind} dequantisation needs in_features % 16 == 0, got {I}")
+    if w.kind == "nvfp4":
+        L.check(w.scale, "w.scale", torch.uint8, (O, I // 16))
+        L.check(w.global_scale, "w.global_scale", torch.float32, (1,))
+    elif w.kind == "fp8_row":
+        L.check(w.scale, "w.scale", torch.float32, (O,))
+    else:
+        L.check(w.scale, "w.scale", torch.float32, (-(-O // 128), -(-I // 128)))
+    _aligned(w.data, "w.data", 8 if w.kind == "nvfp4" else 16)
+    return w.kind, O, I, w.data, w.scale, w.global_scale, -(-I // 128)
+
+
+def _slab(w: QuantWeight, a: int, b: int) -> QuantWeight:
+    """Rows [a, b) of a quantised weight (a multiple of 128 for fp8_block) as a QuantWeight view."""
+    if w.kind == "fp8_block":
+        return QuantWeight(w.kind, b - a, w.in_features, w.data[a:b], w.scale[a // 128:-(-b // 128)], None)
+    if w.kind == "fp8_row":
+        return QuantWeight(w.kind, b - a, w.in_features, w.data[a:b], w.scale[a:b], None)
+    return QuantWeight(w.kind, b - a, w.in_features, w.data[a:b], w.scale[a:b], w.global_scale)
+
+
+def _prefill(x, w):
+    """T > 16: dequantised slabs of rows through cuBLAS. Returns y [T, O] bf16 (a new tensor)."""
+    if not isinstance(w, QuantWeight):
+        return torch.matmul(x, w.t())
+    O, I = w.out_features, w.in_features
+    rows = max(128, (PREFILL_SLAB_ELEMS // max(I, 1)) // 128 * 128)
+    if rows >= O:
+        return torch.matmul(x, dequantize(w).t())
+    y = torch.empty((x.shape[0], O), dtype=torch.bfloat16, device=x.device)
+    scratch = torch.empty((rows, I), dtype=torch.bfloat16, device=x.device)
+    for a in range(0, O, rows):
+        b = min(O, a + rows)
+        wb = dequantize(_slab(w, a, b), out=scratch[: b - a])
+        y[:, a:b] = torch.matmul(x, wb.t())
+    return y
+
+
+def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (bf16 [T, O]); with residual: bf16(residual + bf16(y)). out may be residual itself."""
+    O, I = _shape(w)
+    dev = w.data.device if isinstance(w, QuantWeight) else w.device
+    T = _check_x(x, I, dev)
+    out = _out(out, (T, O), dev)
+    if residual is not None:
+        residual = _out(residual, (T, O), dev, "residual")
+    if T <= MAX_GEMV_COLUMNS:
+        return _gemv(x, w, out, residual, swiglu=False)
+    y = _prefill(x, w)
+    if residual is not None:
+        torch.add(residual, y, out=out)
+    else:
+        out.copy_(y)
+    return out
+
+
+def _shape(w):
+    if isinstance(w, QuantWeight):
+        return w.out_features, w.in_features
+    L.check(w, "w", torch.bfloat16)
+    if w.dim() != 2:
+        raise L.KernelError(f"w: expected [O, I], got shape {tuple(w.shape)}")
+    return tuple(w.shape)
+
+
+def linear_swiglu(x: torch.Tensor, w_gate_up, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[T, F] = silu(x W_gate^T) * (x W_up^T), rows [0, F) of w_gate_up gate and [F, 2F) up, with
+    the reference's roundings: gate and up to bf16, silu in fp32 to bf16, the product to bf16."""
+    O, I = _shape(w_gate_up)
+    if O % 2:
+        raise L.KernelError(f"w_gate_up: needs an even number of rows (gate | up), got {O}")
+    Fh = O // 2
+    dev = w_gate_up.data.device if isinstance(w_gate_up, QuantWeight) else w_gate_up.device
+    T = _check_x(x, I, dev)
+    out = _out(out, (T, Fh), dev)
+    if T <= MAX_GEMV_COLUMNS:
+        return _gemv(x, w_gate_up, out, None, swiglu=True)
+    y = _prefill(x, w_gate_up)
+    gate, up = y[:, :Fh], y[:, Fh:]
+    torch.mul(F.silu(gate), up, out=out)
+    return out
