@@ -20,7 +20,11 @@ import torch.nn.functional as F
 from . import launch as L
 from .quant import QuantWeight
 
-MAX_GEMV_COLUMNS = 16
+MAX_GEMV_COLUMNS = 16                  # what the GEMV kernels are instantiated for
+# Per weight kind, the most columns routed to the GEMV kernels; beyond it bf16 goes to cuBLAS and
+# quantised weights are dequantised in slabs for cuBLAS. Chosen from scripts/bench/linear.py
+# (docs/perf.md); the decode benchmark can override it.
+GEMV_COLUMNS = {"bf16": 16, "fp8_row": 16, "fp8_block": 16, "nvfp4": 16}
 WARPS = 8
 ROWS_PER_WARP = 2
 _NT_BUCKETS = (1, 2, 4, 8, 16)
@@ -48,7 +52,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
-    if T > MAX_GEMV_COLUMNS:
+    if T > min(MAX_GEMV_COLUMNS, GEMV_COLUMNS[kind]):
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
@@ -228,7 +232,7 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
     out = _out(out, (T, O), dev)
     if residual is not None:
         residual = _out(residual, (T, O), dev, "residual")
-    if T <= MAX_GEMV_COLUMNS:
+    if T <= min(MAX_GEMV_COLUMNS, GEMV_COLUMNS[_kind_of(w)]):
         return _gemv(x, w, out, residual, swiglu=False)
     y = _prefill(x, w)
     if residual is not None:
@@ -257,7 +261,7 @@ def linear_swiglu(x: torch.Tensor, w_gate_up, out: torch.Tensor | None = None) -
     dev = w_gate_up.data.device if isinstance(w_gate_up, QuantWeight) else w_gate_up.device
     T = _check_x(x, I, dev)
     out = _out(out, (T, Fh), dev)
-    if T <= MAX_GEMV_COLUMNS:
+    if T <= min(MAX_GEMV_COLUMNS, GEMV_COLUMNS[_kind_of(w_gate_up)]):
         return _gemv(x, w_gate_up, out, None, swiglu=True)
     y = _prefill(x, w_gate_up)
     gate, up = y[:, :Fh], y[:, Fh:]

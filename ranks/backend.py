@@ -41,6 +41,8 @@ def build_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str, b
                 weights: str = "bf16", cuda_graphs: bool = True, random_weights: bool = False) -> HybridModel:
     """One whole model (tp 1) in this process, on the chosen backend."""
     spec = load_spec(model_dir)
+    if device == "cuda":
+        device = "cuda:0"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     backend = choose_backend(backend, device, dtype, weights)

@@ -277,11 +277,7 @@ class CudaHybridModel(HybridModel):
         return cl.linear(x.contiguous(), weight)
 
     def _linear_swiglu(self, x: Tensor, gate_up) -> Tensor:
-        if x.shape[0] <= MAX_FAST_COLUMNS:
-            return cl.linear_swiglu(x.contiguous(), gate_up)
-        g = cl.linear(x.contiguous(), gate_up)
-        half = g.shape[1] // 2
-        return torch.nn.functional.silu(g[:, :half]) * g[:, half:]
+        return cl.linear_swiglu(x.contiguous(), gate_up)
 
     def _swiglu_mlp(self, x: Tensor, w_gate, w_up, w_down) -> Tensor:
         # reference path (prefill chunks): gate/up are views of the fused weight unless quantised

@@ -126,9 +126,12 @@ def test_rms_norm(shape, aligned, seed):
     want = ref.rms_norm(x, w, EPS)
     got = cm.rms_norm(x, w, EPS, out=_poison(shape, BF16))
     _check_norm(got, want, f"rms_norm {shape} {'aligned' if aligned else 'misaligned'}")
-    inplace = x.clone()
+    inplace = x.clone()                                        # a fresh (aligned) buffer
     cm.rms_norm(inplace, w, EPS, out=inplace)
-    assert torch.equal(inplace.view(torch.int16), got.view(torch.int16))
+    if aligned:                                                # same path: same bits
+        assert torch.equal(inplace.view(torch.int16), got.view(torch.int16))
+    else:                                                      # the vector path may sum in another order
+        _check_norm(inplace, want, f"rms_norm {shape} in place")
 
 
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))

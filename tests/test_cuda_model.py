@@ -35,11 +35,13 @@ SPECS = {
 
 
 def _models(spec, seed, graphs=True, ref_device="cpu"):
+    """(float32 reference, bfloat16 reference, CUDA model) on the same random weights."""
     from ranks.model_cuda import CudaHybridModel
     w32 = random_weights(spec, seed, dtype=torch.float32)
     ref = HybridModel(spec, {k: v.to(ref_device) for k, v in w32.items()})
+    ref16 = HybridModel(spec, {k: v.to(device=ref_device, dtype=torch.bfloat16) for k, v in w32.items()})
     wb = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in w32.items()}
-    return ref, CudaHybridModel(spec, wb, cuda_graphs=graphs)
+    return ref, ref16, CudaHybridModel(spec, wb, cuda_graphs=graphs)
 
 
 def _reference_logits(ref, seqs):
@@ -51,14 +53,17 @@ def _reference_logits(ref, seqs):
     return out
 
 
-def _check(got, want, where):
-    got, want = got.float().cpu(), want.float().cpu()
+def _check(got, want, want16, where):
+    """The bf16 bound: the CUDA model may be off the float32 reference by at most twice what the
+    reference program itself is off in bfloat16 (plus 1%); argmax must agree wherever the float32
+    top-2 margin exceeds twice the bfloat16 reference's largest error in that row."""
+    got, want, want16 = got.float().cpu(), want.float().cpu(), want16.float().cpu()
     assert torch.isfinite(got).all(), f"{where}: non-finite logits"
-    e = rel(got, want)
-    assert e < 0.05, f"{where}: relative error {e:.3g}"
+    e, e16 = rel(got, want), rel(want16, want)
+    assert e <= 2 * e16 + 0.01, f"{where}: relative error {e:.3g} (bf16 reference: {e16:.3g})"
     top2 = want.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]
-    clear = margin > 0.05 * want.std(dim=-1)
+    clear = margin > 2 * (want16 - want).abs().amax(dim=-1)
     agree = (got.argmax(-1) == want.argmax(-1))[clear]
     return e, int(agree.sum()), int(agree.numel())
 
@@ -69,11 +74,12 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     spec = SPECS[name]()
     g = torch.Generator().manual_seed(seed)
     big = name.startswith(("27b", "35b"))
-    ref, model = _models(spec, seed, ref_device="cuda" if big else "cpu")
+    ref, ref16, model = _models(spec, seed, ref_device="cuda" if big else "cpu")
     lengths = [41, 23, 70] if not big else [30, 19]
     prefix = [17, 5, 33] if not big else [17, 5]
     seqs = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lengths]
     want = _reference_logits(ref, seqs)
+    want16 = _reference_logits(ref16, seqs)
     B = len(seqs)
     pages = 4
     state = model.new_state(B, B * pages)
@@ -81,7 +87,7 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     # prefill each prefix (long chunks: the reference path on the GPU, short ones: kernels)
     for b, (ids, p) in enumerate(zip(seqs, prefix)):
         out = model.forward(Batch(torch.tensor(ids[:p]), [p], [0], [b], tables[b:b + 1]), state, logits="all")
-        _check(out.logits, want[b][:p], f"{name} prefill seq {b}")
+        _check(out.logits, want[b][:p], want16[b][:p], f"{name} prefill seq {b}")
     pos = list(prefix)
     errs, agree, total = [], 0, 0
     while True:
@@ -93,7 +99,8 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
         out = model.forward(batch, state, logits="all" if columns > 1 else "last")
         for i, b in enumerate(live):
             rows = out.logits[i * columns:(i + 1) * columns] if columns > 1 else out.logits[i:i + 1]
-            e, a, t = _check(rows, want[b][pos[b]:pos[b] + columns], f"{name} seq {b} at {pos[b]}")
+            sl = slice(pos[b], pos[b] + columns)
+            e, a, t = _check(rows, want[b][sl], want16[b][sl], f"{name} seq {b} at {pos[b]}")
             errs.append(e)
             agree, total = agree + a, total + t
             pos[b] += columns

@@ -18,7 +18,8 @@
 // Decoding without conversion instructions: an e4m3 byte's 7 magnitude bits are placed at fp32 bits
 // 20..26 and the sign at 31, which is the value times 2^-120 (subnormal codes become fp32
 // subnormals, exactly); e2m1 likewise at bits 22..24 is the value times 2^-126. A chunk's partial sum
-// is brought back with one multiply by 2^120 (2^126) before the scale. This needs denormals kept
+// is brought back with one multiply by 2^120 before the scale (e2m1: x is pre-scaled by 2^64 so that
+// the products stay normal, and the sum is multiplied by 2^62). This needs denormals kept
 // (no -ftz / --use_fast_math), which is the compiler default.
 //
 // Epilogue `mode`: 0 store bf16(y); 1 residual: bf16(residual + bf16(y)); 2 SwiGLU over a gate|up
@@ -140,7 +141,10 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const unsigned (
             }
         }
     } else {                                                          // NVFP4 / NVFP4H
-        const float two126 = __uint_as_float(0x7e800000u);          // 2^126
+        // e2m1 decodes to value * 2^-126 (fp32 subnormals, exact); its products with x would be
+        // subnormal and lose bits, so x is scaled by 2^64 first (exact) and the sum by 2^62 after.
+        const float two62 = __uint_as_float(0x5e800000u);            // 2^62
+        const float two64 = __uint_as_float(0x5f800000u);            // 2^64
         constexpr int G = (KIND == KIND_NVFP4) ? 2 : 1;               // 16-element groups per chunk
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -162,11 +166,13 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const unsigned (
                     unpack_bf16x8(ld_x16(xp), xf);
                     unpack_bf16x8(ld_x16(xp + 8), xf + 8);
 #pragma unroll
+                    for (int k = 0; k < 16; ++k) xf[k] *= two64;
+#pragma unroll
                     for (int r = 0; r < R; ++r) {
                         float p = 0.f;
 #pragma unroll
                         for (int k = 0; k < 16; ++k) p = fmaf(xf[k], wf[r][k], p);
-                        acc[r][t] = fmaf(p * two126, sg[r], acc[r][t]);
+                        acc[r][t] = fmaf(p * two62, sg[r], acc[r][t]);
                     }
                 }
             }

@@ -40,28 +40,32 @@ from runtime.config import FULL_ATTENTION, PAGE_SIZE  # noqa: E402
 
 
 def measure_bandwidth(gib: float = 4.0) -> dict:
-    """HBM read bandwidth (a reduction over a large buffer) and copy bandwidth (read + write), bytes/s."""
-    n = int(gib * (1 << 30)) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    """HBM read bandwidth (kernels/cuda/bench.cu read_probe: 16-byte loads over a large buffer),
+    and torch's copy bandwidth (read + write) for comparison, in bytes/s. The floor uses the read rate."""
+    import numpy as np
+    from kernels import launch
+    n = int(gib * (1 << 30)) // 16 * 16
+    a = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
+    sink = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    fn = launch.kernel("bench", "read_probe")
+    blocks = launch.sm_count() * 4
 
-    def timed(fn, reps=10):
-        fn()
+    def timed(f, reps=10):
+        f()
         torch.cuda.synchronize()
         ts = []
         for _ in range(reps):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            fn()
+            f()
             e1.record()
             e1.synchronize()
             ts.append(e0.elapsed_time(e1) / 1e3)
         return statistics.median(ts)
-    t_read = timed(lambda: torch.amax(a.view(-1, 4096), dim=1))
+    t_read = timed(lambda: launch.launch(fn, blocks, 512, (a, np.int64(n // 16), sink)))
     t_copy = timed(lambda: b.copy_(a))
-    out = dict(read_Bps=2 * n / t_read, copy_Bps=4 * n / t_copy)
-    out["floor_Bps"] = max(out["read_Bps"], out["copy_Bps"])
-    return out
+    return dict(read_Bps=n / t_read, copy_Bps=2 * n / t_copy, floor_Bps=n / t_read)
 
 
 def matmul_rate() -> float:
@@ -188,11 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, nargs="*", default=[8192])
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--gemv-columns", type=int, default=None,
+                    help="route bf16 linears with more columns than this to cuBLAS (default: the route table)")
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    from kernels import cuda_linear
     from ranks.model_cuda import CudaHybridModel, _fuse_gate_up, quantise_weights
+    if args.gemv_columns is not None:
+        cuda_linear.GEMV_COLUMNS["bf16"] = args.gemv_columns
     torch.manual_seed(0)
     spec = spec_for(args.model, num_layers=args.layers)
     props = torch.cuda.get_device_properties(0)
@@ -202,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     mm = matmul_rate()
     print(f"device {props.name}, {props.multi_processor_count} SMs; read {bw['read_Bps'] / 1e12:.2f} TB/s, "
-          f"copy {bw['copy_Bps'] / 1e12:.2f} TB/s, floor uses {bw['floor_Bps'] / 1e12:.2f} TB/s; "
+          f"copy {bw['copy_Bps'] / 1e12:.2f} TB/s (read + write); "
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-    res = dict(model=args.model, layers=spec.num_layers, device=props.name, commit=commit,
+    res = dict(model=args.model, layers=spec.num_layers, gemv_columns=dict(cuda_linear.GEMV_COLUMNS), device=props.name, commit=commit,
                date=time.strftime("%Y-%m-%d"), bandwidth=bw, matmul_flops=mm, decode=[], prefill=[], hf={})
     t0 = time.perf_counter()
     base = random_shard(spec, 0, 1, dtype=torch.bfloat16, device="cuda")
