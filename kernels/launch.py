@@ -25,8 +25,10 @@ import torch
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 _lock = threading.Lock()
 
-# Options shared by NVRTC here and nvcc in the compile test (tests/test_cuda_compile.py).
-COMPILE_OPTIONS = ("-std=c++17",)
+# Options shared by NVRTC here and nvcc in the compile test (tests/test_cuda_compile.py). CuPy
+# always appends -ftz=true (fp32 subnormals flush to zero) and it cannot be overridden, so the
+# kernels are written for it and the compile test builds with it too.
+COMPILE_OPTIONS = ("-std=c++17", "-ftz=true")
 
 
 class KernelError(RuntimeError):

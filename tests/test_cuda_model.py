@@ -53,19 +53,41 @@ def _reference_logits(ref, seqs):
     return out
 
 
-def _check(got, want, want16, where):
-    """The bf16 bound: the CUDA model may be off the float32 reference by at most twice what the
-    reference program itself is off in bfloat16 (plus 1%); argmax must agree wherever the float32
-    top-2 margin exceeds twice the bfloat16 reference's largest error in that row."""
-    got, want, want16 = got.float().cpu(), want.float().cpu(), want16.float().cpu()
-    assert torch.isfinite(got).all(), f"{where}: non-finite logits"
-    e, e16 = rel(got, want), rel(want16, want)
-    assert e <= 2 * e16 + 0.01, f"{where}: relative error {e:.3g} (bf16 reference: {e16:.3g})"
-    top2 = want.topk(2, dim=-1).values
-    margin = top2[..., 0] - top2[..., 1]
-    clear = margin > 2 * (want16 - want).abs().amax(dim=-1)
-    agree = (got.argmax(-1) == want.argmax(-1))[clear]
-    return e, int(agree.sum()), int(agree.numel())
+class Agreement:
+    """Collects (CUDA, float32 reference, bfloat16 reference) logits over all checked positions.
+
+    The bf16 bound: over all positions, the CUDA model may be off the float32 reference by at most
+    twice what the reference program itself is off in bfloat16 (plus 1%); per position, by at most
+    6x (plus 2%), which still catches a broken position without failing on the chaotic
+    single-position noise of hot random tiny models. Argmax must agree at >= 99% of the positions
+    whose float32 top-2 margin exceeds twice the bfloat16 reference's largest error in that row."""
+
+    def __init__(self, name):
+        self.name, self.got, self.want, self.want16 = name, [], [], []
+        self.agree = self.total = 0
+
+    def add(self, got, want, want16, where):
+        got, want, want16 = got.float().cpu(), want.float().cpu(), want16.float().cpu()
+        assert torch.isfinite(got).all(), f"{where}: non-finite logits"
+        e, e16 = rel(got, want), rel(want16, want)
+        assert e <= 6 * e16 + 0.02, f"{where}: relative error {e:.3g} (bf16 reference: {e16:.3g})"
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 2 * (want16 - want).abs().amax(dim=-1)
+        agree = (got.argmax(-1) == want.argmax(-1))[clear]
+        self.agree += int(agree.sum())
+        self.total += int(agree.numel())
+        self.got.append(got)
+        self.want.append(want)
+        self.want16.append(want16)
+
+    def check(self):
+        got, want, want16 = (torch.cat(t) for t in (self.got, self.want, self.want16))
+        e, e16 = rel(got, want), rel(want16, want)
+        print(f"{self.name}: relative error {e:.3g} over {got.shape[0]} positions (bf16 reference {e16:.3g}); "
+              f"argmax {self.agree}/{self.total} at clear margins")
+        assert e <= 2 * e16 + 0.01, f"{self.name}: relative error {e:.3g} (bf16 reference: {e16:.3g})"
+        assert self.total > 0
+        assert self.agree >= 0.99 * self.total, f"argmax agreement {self.agree}/{self.total} at clear margins"
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -85,11 +107,12 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     state = model.new_state(B, B * pages)
     tables = page_table(B, pages)
     # prefill each prefix (long chunks: the reference path on the GPU, short ones: kernels)
+    prefill, decode = Agreement(f"{name} prefill"), Agreement(f"{name} T={columns}")
     for b, (ids, p) in enumerate(zip(seqs, prefix)):
         out = model.forward(Batch(torch.tensor(ids[:p]), [p], [0], [b], tables[b:b + 1]), state, logits="all")
-        _check(out.logits, want[b][:p], want16[b][:p], f"{name} prefill seq {b}")
+        prefill.add(out.logits, want[b][:p], want16[b][:p], f"{name} prefill seq {b}")
+    prefill.check()
     pos = list(prefix)
-    errs, agree, total = [], 0, 0
     while True:
         live = [b for b in range(B) if pos[b] + columns <= lengths[b]]
         if not live:
@@ -100,13 +123,9 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
         for i, b in enumerate(live):
             rows = out.logits[i * columns:(i + 1) * columns] if columns > 1 else out.logits[i:i + 1]
             sl = slice(pos[b], pos[b] + columns)
-            e, a, t = _check(rows, want[b][sl], want16[b][sl], f"{name} seq {b} at {pos[b]}")
-            errs.append(e)
-            agree, total = agree + a, total + t
+            decode.add(rows, want[b][sl], want16[b][sl], f"{name} seq {b} at {pos[b]}")
             pos[b] += columns
-    assert total > 0
-    assert agree >= 0.99 * total, f"argmax agreement {agree}/{total} at clear margins"
-    print(f"{name} T={columns}: max rel {max(errs):.3g}, argmax {agree}/{total}")
+    decode.check()
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])

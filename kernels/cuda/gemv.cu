@@ -17,10 +17,10 @@
 //
 // Decoding without conversion instructions: an e4m3 byte's 7 magnitude bits are placed at fp32 bits
 // 20..26 and the sign at 31, which is the value times 2^-120 (subnormal codes become fp32
-// subnormals, exactly); e2m1 likewise at bits 22..24 is the value times 2^-126. A chunk's partial sum
-// is brought back with one multiply by 2^120 before the scale (e2m1: x is pre-scaled by 2^64 so that
-// the products stay normal, and the sum is multiplied by 2^62). This needs denormals kept
-// (no -ftz / --use_fast_math), which is the compiler default.
+// subnormals; CuPy's -ftz=true flushes those, which loses only e4m3 codes below 2^-6 of the scale).
+// A chunk's partial sum is brought back with one multiply by 2^120 before the scale. e2m1 goes
+// through fp16 instead (see fp4x8_scaled), exact under -ftz. (fp8 products below 2^-126 after the
+// 2^-120 scaling are flushed too: |x * w| < 2^-6 * scale, within the bf16 error of the result.)
 //
 // Epilogue `mode`: 0 store bf16(y); 1 residual: bf16(residual + bf16(y)); 2 SwiGLU over a gate|up
 // weight of 2F rows: out[T, F] = bf16(bf16(silu(bf16(gate))) * bf16(up)).
@@ -65,13 +65,18 @@ __device__ __forceinline__ void fp8x4_scaled(unsigned w, float* f) {
     f[3] = __uint_as_float((w & 0x80000000u) | ((w >> 4) & 0x07f00000u));
 }
 
-// Eight e2m1 nibbles of w (nibble j = bits 4j..4j+3 = element j) -> values * 2^-126.
+// Eight e2m1 nibbles of w (nibble j = bits 4j..4j+3 = element j) -> values * 2^-14, exactly: each
+// nibble becomes the fp16 with the same sign and its 3 magnitude bits at bits 9..11 (the e2m1 value
+// times 2^-14; code 1 = 0.5 is an fp16 subnormal), widened by cvt.f32.f16 (an fp32 normal). CuPy
+// compiles with -ftz=true, so a decode through fp32 subnormals would flush 0.5 to zero.
 __device__ __forceinline__ void fp4x8_scaled(unsigned w, float* f) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const unsigned s = (w << (28 - 4 * j)) & 0x80000000u;
-        const unsigned m = (4 * j <= 22 ? (w << (22 - 4 * j)) : (w >> (4 * j - 22))) & 0x01c00000u;
-        f[j] = __uint_as_float(s | m);
+        const unsigned nib = (w >> (4 * j)) & 0xfu;
+        const unsigned short h = (unsigned short)(((nib & 8u) << 12) | ((nib & 7u) << 9));
+        float v;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"(h));
+        f[j] = v;
     }
 }
 
@@ -141,10 +146,7 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const unsigned (
             }
         }
     } else {                                                          // NVFP4 / NVFP4H
-        // e2m1 decodes to value * 2^-126 (fp32 subnormals, exact); its products with x would be
-        // subnormal and lose bits, so x is scaled by 2^64 first (exact) and the sum by 2^62 after.
-        const float two62 = __uint_as_float(0x5e800000u);            // 2^62
-        const float two64 = __uint_as_float(0x5f800000u);            // 2^64
+        const float two14 = __uint_as_float(0x46800000u);            // 2^14 (undoes fp4x8_scaled's 2^-14)
         constexpr int G = (KIND == KIND_NVFP4) ? 2 : 1;               // 16-element groups per chunk
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -166,13 +168,11 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const unsigned (
                     unpack_bf16x8(ld_x16(xp), xf);
                     unpack_bf16x8(ld_x16(xp + 8), xf + 8);
 #pragma unroll
-                    for (int k = 0; k < 16; ++k) xf[k] *= two64;
-#pragma unroll
                     for (int r = 0; r < R; ++r) {
                         float p = 0.f;
 #pragma unroll
                         for (int k = 0; k < 16; ++k) p = fmaf(xf[k], wf[r][k], p);
-                        acc[r][t] = fmaf(p * two62, sg[r], acc[r][t]);
+                        acc[r][t] = fmaf(p * two14, sg[r], acc[r][t]);
                     }
                 }
             }
