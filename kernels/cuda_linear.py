@@ -22,9 +22,10 @@ from .quant import QuantWeight
 
 MAX_GEMV_COLUMNS = 16                  # what the GEMV kernels are instantiated for
 # Per weight kind, the most columns routed to the GEMV kernels; beyond it bf16 goes to cuBLAS and
-# quantised weights are dequantised in slabs for cuBLAS. Chosen from scripts/bench/linear.py
-# (docs/perf.md); the decode benchmark can override it.
-GEMV_COLUMNS = {"bf16": 16, "fp8_row": 16, "fp8_block": 16, "nvfp4": 16}
+# quantised weights are dequantised in slabs for cuBLAS. Chosen from scripts/bench/linear.py on an
+# H200 (docs/perf.md): the CUDA-core GEMV beats cuBLAS for bf16 only at T <= 2 (it is FMA-bound
+# beyond); quantised weights stay on the GEMV (a dequantised copy would cost more than the FMAs).
+GEMV_COLUMNS = {"bf16": 2, "fp8_row": 16, "fp8_block": 16, "nvfp4": 16}
 WARPS = 8
 ROWS_PER_WARP = 2
 _NT_BUCKETS = (1, 2, 4, 8, 16)

@@ -60,12 +60,20 @@ class Worker:
             ckpt = Checkpoint(hello.model_dir)
             layout = validate(ckpt, self.spec)
             weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout)
-        self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=float(opts.get("mailbox_timeout_s", 60)))
+        self.backend, self.weight_format = backend, opts.get("weights", "bf16")
+        timeout_s = float(opts.get("mailbox_timeout_s", 60))
+        self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=timeout_s)
+        self.transport = None
         if backend == "cuda":
             from ranks.model_cuda import CudaHybridModel
-            self.model = CudaHybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce,
+            from transport.select import choose
+            kind = opts.get("transport", "auto")
+            self.transport = choose(kind, self.rank, self.tp, torch.cuda.current_device(), self.mailbox,
+                                    opts.get("gpu_mailbox"), opts.get("nccl_init"), timeout_s)
+            self.model = CudaHybridModel(self.spec, weights, tp=self.tp, all_reduce=self.transport.all_reduce,
                                          weight_format=opts.get("weights", "bf16"),
-                                         cuda_graphs=bool(opts.get("cuda_graphs", True)))
+                                         cuda_graphs=bool(opts.get("cuda_graphs", True)),
+                                         all_reduce_capturable=self.transport.capturable)
         else:
             self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages)
@@ -84,7 +92,13 @@ class Worker:
     def ready(self) -> msg.Ready:
         shard = {k: list(self.model.w[k].shape) for k in ("embed_tokens.weight", "lm_head.weight")
                  if k in self.model.w}
+        runtime = dict(backend=self.backend, weights=self.weight_format)
+        if self.transport is not None:
+            runtime.update(transport=self.transport.name, probe_us=self.transport.probe_us)
+        if getattr(self.model, "graphs", None) is not None:
+            runtime["cuda_graphs"] = True
         return msg.Ready(rank=self.rank, ok=True, pid=os.getpid(), shard=shard, weight_bytes=self.weight_bytes,
+                         runtime=runtime,
                          state_bytes=self.state.nbytes(), has_mtp=self.model.has_mtp)
 
     def step(self, plan: msg.StepPlan) -> msg.StepResult | None:
@@ -103,6 +117,8 @@ class Worker:
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
                       torch.from_numpy(plan.page_tables.astype(np.int32)))
         out = self.model.forward(batch, self.state, logits="last")
+        if self.transport is not None:
+            self.transport.check()                      # a peer's hang shows here, not as garbage
         rows = [b for b, flag in enumerate(plan.sample.tolist()) if flag]
         sampled: list[int] = []
         if rows:
@@ -356,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         if worker is not None:
+            if worker.transport is not None:
+                try:
+                    worker.transport.close()
+                except Exception:                               # noqa: BLE001 - the process is ending
+                    log.debug("closing the transport failed", exc_info=True)
             worker.mailbox.close()
         sock.close()
         ctx.term()

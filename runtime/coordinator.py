@@ -77,6 +77,8 @@ class Coordinator:
         self._ctx = zmq.Context()
         self._sock = None
         self._shm = None
+        self._gpu_shm = None
+        self.ready: dict = {}
         self._last_beat: dict[int, float] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -102,6 +104,9 @@ class Coordinator:
                           * self.spec.vocab_size // self.tp, 1024)
         self.mailbox_words = min(max_payload, 1 << 22)
         self._shm = create_segment(self.tp, self.mailbox_words)
+        # a second segment for the GPU transports (their own epochs; never shared with the CPU mailbox)
+        if self.tp > 1 and self.device != "cpu" and self.options.transport in ("auto", "mailbox", "copies"):
+            self._gpu_shm = create_segment(self.tp, self.options.gpu_mailbox_words)
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         # one torch thread per rank unless asked: on small CPU models more threads were slower (docs/perf.md)
@@ -138,7 +143,10 @@ class Coordinator:
                                      spec_draft_tokens=self.options.spec_draft_tokens,
                                      backend=self.options.backend, weights=self.options.weights,
                                      cuda_graphs=self.options.cuda_graphs,
-                                     random_weights=self.options.random_weights)))
+                                     random_weights=self.options.random_weights,
+                                     transport=self.options.transport,
+                                     gpu_mailbox=self._gpu_shm.name if self._gpu_shm is not None else None,
+                                     nccl_init=f"file://{self._tmp}/nccl-init")))
             elif isinstance(m, msg.Ready):
                 if not m.ok:
                     if "needs MTP weights" in m.error:
@@ -189,13 +197,14 @@ class Coordinator:
             self._sock = None
         if not self._ctx.closed:
             self._ctx.term()
-        if self._shm is not None:
-            self._shm.close()
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
-            self._shm = None
+        for shm in (self._shm, self._gpu_shm):
+            if shm is not None:
+                shm.close()
+                try:
+                    shm.unlink()
+                except FileNotFoundError:
+                    pass
+        self._shm = self._gpu_shm = None
         shutil.rmtree(self._tmp, ignore_errors=True)
         self.healthy = False
 
@@ -246,6 +255,8 @@ class Coordinator:
             usage = self.scheduler.usage()
             out = dict(healthy=self.healthy and not self.failure, failure=self.failure, tp=self.tp,
                        **usage, **self.counters)
+            if self.ready:
+                out["ranks"] = {r: dict(m.runtime, pid=m.pid) for r, m in sorted(self.ready.items())}
             sc = self.scheduler.spec_totals
             if sc is not None:
                 out["spec"] = dict(sc, draft_tokens=self.options.spec_draft_tokens,

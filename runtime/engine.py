@@ -50,6 +50,8 @@ class EngineOptions:
     weights: str = "bf16"                # weight format on the device: bf16 | fp8 | fp8-block | nvfp4
     cuda_graphs: bool = True             # capture decode steps as CUDA graphs (cuda backend)
     random_weights: bool = False         # build random weights on the device from config.json alone
+    transport: str = "auto"              # tp > 1 all-reduce on GPUs: auto | mailbox | copies | nccl | cpu
+    gpu_mailbox_words: int = 1 << 18     # words per slot of the GPU mailbox (one word per element)
     # TEST-ONLY: called by the coordinator as hook(sequence, drafts) -> drafts after each round, to
     # force drafts right or wrong (tests/test_speculation.py); never set it in production
     spec_draft_hook: Callable | None = None
@@ -59,6 +61,8 @@ class EngineOptions:
             raise ValueError(f"spec_draft_tokens must be 0 (off) or 1..5, got {self.spec_draft_tokens}")
         if self.backend not in ("auto", "cuda", "reference"):
             raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
+        if self.transport not in ("auto", "mailbox", "copies", "nccl", "cpu"):
+            raise ValueError(f"transport must be auto, mailbox, copies, nccl or cpu, got {self.transport!r}")
         if self.weights not in ("bf16", "fp8", "fp8-block", "nvfp4"):
             raise ValueError(f"weights must be bf16, fp8, fp8-block or nvfp4, got {self.weights!r}")
 

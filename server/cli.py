@@ -93,6 +93,9 @@ def add_backend_arguments(p) -> None:
                    help="weight format on the device, quantised on load from a 16-bit checkpoint (cuda backend)")
     p.add_argument("--no-cuda-graph", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--transport", default="auto", choices=["auto", "mailbox", "copies", "nccl", "cpu"],
+                   help="all-reduce between GPU ranks (tp > 1): the pinned-host mailbox kernel, staged copies, "
+                        "NCCL, or the CPU mailbox (default auto: mailbox unless its startup probe is slow)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights built on the device from config.json alone (benchmarks, smoke tests)")
 
@@ -262,7 +265,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
                                     spec_draft_tokens=spec_k, backend=args.backend, weights=args.weights,
-                                    cuda_graphs=args.cuda_graphs, random_weights=args.random_weights)
+                                    cuda_graphs=args.cuda_graphs, random_weights=args.random_weights,
+                                    transport=args.transport)
             with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:
                 for event in engine.submit(prompt_ids, params, stop_token_ids=extra_eos if not args.ignore_eos
                                            else None):

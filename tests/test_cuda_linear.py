@@ -20,6 +20,14 @@ SHAPES_35B = [(8192, 2048), (512, 2048), (2048, 4096), (4096, 2048), (32, 2048),
 LM_HEAD = [(248320, 5120), (248320, 2048)]
 
 
+@pytest.fixture(autouse=True)
+def every_column_count_on_the_gemv(monkeypatch):
+    """The kernels are tested at every T they are built for (1..16), whatever the route table sends
+    to cuBLAS in production; test_routes_to_cublas covers the other side."""
+    from kernels import cuda_linear
+    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", {k: cuda_linear.MAX_GEMV_COLUMNS for k in cuda_linear.GEMV_COLUMNS})
+
+
 def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
@@ -118,6 +126,16 @@ def test_swiglu(kind, O, I, T, seed):
     got = linear_swiglu(x, w, out=out)
     assert got is out
     _check(got, _swiglu_want(x, wf))
+
+
+@pytest.mark.parametrize("T", (3, 8, 16))
+def test_routes_to_cublas(T, seed, monkeypatch):
+    """With the production route table, bf16 beyond GEMV_COLUMNS goes through cuBLAS: same results."""
+    from kernels import cuda_linear
+    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=2))
+    assert cuda_linear.route(5120, 6144, T, "bf16", 132)["path"] == "dequant_matmul"
+    _run_linear("bf16", 5120, 6144, T, seed)
+    _run_linear("bf16", 5120, 6144, T, seed + 1, residual=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -60,7 +60,8 @@ class Agreement:
     twice what the reference program itself is off in bfloat16 (plus 1%); per position, by at most
     6x (plus 2%), which still catches a broken position without failing on the chaotic
     single-position noise of hot random tiny models. Argmax must agree at >= 99% of the positions
-    whose float32 top-2 margin exceeds twice the bfloat16 reference's largest error in that row."""
+    whose float32 top-2 margin exceeds twice the bfloat16 reference's largest error in that row,
+    with one miss allowed (a sample of a few clear positions cannot resolve 99%)."""
 
     def __init__(self, name):
         self.name, self.got, self.want, self.want16 = name, [], [], []
@@ -86,8 +87,9 @@ class Agreement:
         print(f"{self.name}: relative error {e:.3g} over {got.shape[0]} positions (bf16 reference {e16:.3g}); "
               f"argmax {self.agree}/{self.total} at clear margins")
         assert e <= 2 * e16 + 0.01, f"{self.name}: relative error {e:.3g} (bf16 reference: {e16:.3g})"
-        assert self.total > 0
-        assert self.agree >= 0.99 * self.total, f"argmax agreement {self.agree}/{self.total} at clear margins"
+        misses = self.total - self.agree
+        assert misses <= 1 + 0.01 * self.total, f"argmax agreement {self.agree}/{self.total} at clear margins"
+        return self.total
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -111,7 +113,7 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     for b, (ids, p) in enumerate(zip(seqs, prefix)):
         out = model.forward(Batch(torch.tensor(ids[:p]), [p], [0], [b], tables[b:b + 1]), state, logits="all")
         prefill.add(out.logits, want[b][:p], want16[b][:p], f"{name} prefill seq {b}")
-    prefill.check()
+    clear = prefill.check()
     pos = list(prefix)
     while True:
         live = [b for b in range(B) if pos[b] + columns <= lengths[b]]
@@ -125,7 +127,8 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
             sl = slice(pos[b], pos[b] + columns)
             decode.add(rows, want[b][sl], want16[b][sl], f"{name} seq {b} at {pos[b]}")
             pos[b] += columns
-    decode.check()
+    clear += decode.check()
+    assert clear > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])

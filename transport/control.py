@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2     # 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 3     # 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -129,6 +129,7 @@ class Ready(Message):
     weight_bytes: int = 0
     state_bytes: int = 0
     has_mtp: bool = False
+    runtime: dict = field(default_factory=dict)   # backend, weights, transport, probe_us, cuda_graphs
     version: int = PROTOCOL_VERSION
 
 

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Decode step time through the whole engine (coordinator, rank processes, transport): tp 1 against
+tp 2 with each GPU transport, on a random full-size model (weights built on the GPUs).
+
+    python scripts/bench/decode_tp.py --model 27b --weights bf16 --tp 1 2 --transport mailbox copies nccl \
+        --concurrency 1 8 --out decode_tp.json
+
+For each configuration: C requests of --prompt-len random tokens, --new-tokens greedy tokens each
+(ignore_eos), submitted together; the decode step time is (last finish - last first token) /
+(new tokens - 1). Prints a table with the ratio to tp 1 and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, repo_root)
+
+from ranks.random_checkpoint import _wrapper_config, text_config  # noqa: E402
+from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
+
+
+def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concurrency: list[int],
+        prompt_len: int, new_tokens: int) -> dict:
+    opts = EngineOptions(max_concurrency=max(concurrency), random_weights=True, weights=weights,
+                         transport=transport, max_context=prompt_len + new_tokens + 8, startup_timeout_s=900)
+    out = {}
+    with Engine.start(model_dir, tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
+        for C in [1] + concurrency:                    # the first C=1 run warms up (graphs, kernels)
+            results = [None] * C
+
+            def one(i):
+                prompt = [random.randrange(vocab) for _ in range(prompt_len)]
+                evs = list(engine.submit(prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens,
+                                                                ignore_eos=True)))
+                if evs[-1].error:
+                    raise RuntimeError(evs[-1].error)
+                results[i] = evs[-1].timings
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            first = max(r["ttft_s"] for r in results)
+            last = max(r["total_s"] for r in results)
+            out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="27b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--transport", nargs="+", default=["mailbox", "copies", "nccl"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = text_config(args.model, num_layers=args.layers)
+    d = tempfile.mkdtemp(prefix="tandem-bench-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
+    res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"), runs=[])
+    base = {}
+    for tp in args.tp:
+        for transport in (args.transport if tp > 1 else ["none"]):
+            try:
+                r = run(d, cfg["vocab_size"], tp, "cpu" if transport == "none" else transport, args.weights,
+                        args.concurrency, args.prompt_len, args.new_tokens)
+            except Exception as e:                     # report and go on with the other configurations
+                print(f"tp {tp} {transport}: failed: {e}", flush=True)
+                res["runs"].append(dict(tp=tp, transport=transport, error=str(e)))
+                continue
+            for C in args.concurrency:
+                step = r[C]["step_s"]
+                if tp == 1:
+                    base[C] = step
+                ratio = step / base[C] if C in base else float("nan")
+                res["runs"].append(dict(tp=tp, transport=transport, C=C, step_s=step, ratio_to_tp1=ratio))
+                print(f"tp {tp} {transport:8s} C={C:3d}: step {step * 1e3:7.2f} ms  {C / step:8.1f} tok/s  "
+                      f"{ratio:5.2f}x the tp 1 step", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Where the time of one step goes: CUDA kernel time per kernel name (torch.profiler / CUPTI) for a
+decode step of C sequences, or a prefill chunk, of a random full-width model on one GPU.
+
+    python scripts/bench/profile_step.py --model 27b [--layers 16] [--concurrency 1] [--prefill 2048]
+        [--out profile.json]
+
+Prints the kernels sorted by total time with their share of the step and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, repo_root)
+
+import torch  # noqa: E402
+
+from ranks.kvcache import ModelState  # noqa: E402
+from ranks.model import Batch  # noqa: E402
+from ranks.random_checkpoint import random_shard, spec_for  # noqa: E402
+from runtime.config import PAGE_SIZE  # noqa: E402
+
+
+def profile(fn, reps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile as prof
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = defaultdict(float)
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            times[e.name[:90]] += e.device_time / reps / 1e3        # ms per step
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="27b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prefill chunk of this many tokens instead")
+    ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from ranks.model_cuda import CudaHybridModel
+    spec = spec_for(args.model, num_layers=args.layers)
+    model = CudaHybridModel(spec, random_shard(spec, device="cuda"), weight_format=args.weights, cuda_graphs=False)
+    C = args.concurrency
+    if args.prefill:
+        L = args.prefill
+        pages = (L + PAGE_SIZE - 1) // PAGE_SIZE + 1
+        state = ModelState(spec, 1, pages, torch.bfloat16, "cuda")
+        ids = torch.randint(0, spec.vocab_size, (L,))
+        batch = Batch(ids, [L], [0], [0], torch.arange(pages, dtype=torch.int32).view(1, pages))
+        what = f"prefill chunk of {L} tokens"
+    else:
+        per = (args.context + 2 + PAGE_SIZE - 1) // PAGE_SIZE
+        state = ModelState(spec, C, C * per, torch.bfloat16, "cuda")
+        batch = Batch(torch.randint(0, spec.vocab_size, (C,)), [1] * C, [args.context] * C, list(range(C)),
+                      torch.arange(C * per, dtype=torch.int32).view(C, per))
+        what = f"decode step, C={C}, context {args.context}"
+    times = profile(lambda: model.forward(batch, state), args.reps)
+    total = sum(times.values())
+    print(f"{args.model} ({spec.num_layers} layers, {args.weights}), {what}: {total:.3f} ms of kernel time per step")
+    for name, t in list(times.items())[:args.top]:
+        print(f"{t:9.3f} ms {t / total:6.1%}  {name}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(model=args.model, layers=spec.num_layers, what=what, total_ms=total, kernels=times), f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""tp 2 on two GPUs with the CUDA backend, through the engine: each all-reduce transport gives the
+greedy ids of tp 1 on one GPU (the embedded model's golden prompts), the ranks report the transport
+they run, and auto falls back to staged copies when the mailbox probe is too slow."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import gpu_count
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs")]
+
+PROMPTS = [
+    "def add(a, b):\n",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+]
+NEW_TOKENS = 24
+
+
+def _generate(tp, transport="auto"):
+    from ranks.demo import default_model_dir
+    from runtime import Engine, EngineOptions, SamplingParams
+    from runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(default_model_dir())
+    opts = EngineOptions(max_concurrency=2, transport=transport)
+    with Engine.start(default_model_dir(), tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
+        outs = []
+        for p in PROMPTS:
+            evs = list(engine.submit(tok.encode(p), SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS,
+                                                                   ignore_eos=True)))
+            assert not evs[-1].error, evs[-1].error
+            outs.append(sum((e.tokens for e in evs), []))
+        return outs, engine.stats()["ranks"]
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    ids, ranks = _generate(1)
+    assert ranks[0]["backend"] == "cuda"
+    return ids
+
+
+@pytest.mark.parametrize("transport", ["mailbox", "copies", "nccl"])
+def test_tp2_equals_tp1(tp1, transport):
+    ids, ranks = _generate(2, transport)
+    assert [r["transport"] for r in ranks.values()] == [transport, transport]
+    if transport in ("mailbox", "nccl"):
+        assert all(r.get("cuda_graphs") for r in ranks.values()), ranks
+    for a, b in zip(ids, tp1):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        print(f"{transport}: first divergence from tp 1 at token {same} of {len(a)}")
+        assert a == b
+
+
+def test_auto_falls_back_to_copies_when_the_probe_is_slow(tp1, monkeypatch):
+    monkeypatch.setenv("TANDEM_MAILBOX_PROBE_LIMIT_US", "0")
+    ids, ranks = _generate(2, "auto")
+    assert [r["transport"] for r in ranks.values()] == ["copies", "copies"]
+    assert all(r["probe_us"] > 0 for r in ranks.values())
+    assert ids == tp1
