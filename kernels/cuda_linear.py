@@ -32,6 +32,10 @@ _NT_BUCKETS = (1, 2, 4, 8, 16)
 _KIND_TAG = {"bf16": "bf16", "fp8_row": "fp8row", "fp8_block": "fp8blk", "nvfp4": "nvfp4"}
 _EPC = {"bf16": 8, "fp8_row": 16, "fp8_block": 16, "nvfp4": 32, "nvfp4h": 16}
 _DEQUANT_KIND = {"fp8_row": 1, "fp8_block": 2, "nvfp4": 3}
+# Quantised kinds whose T <= TC_MAX_COLUMNS decode GEMV runs on tensor cores (gemv_*_tc: mma.sync bf16, sm_80+;
+# every target of kernels/launch.py is sm_80 or newer). nvfp4 with I % 32 == 16 keeps the CUDA-core path.
+_TC_KINDS = ("fp8_row", "fp8_block", "nvfp4")
+TC_MAX_COLUMNS = 8
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 
 
@@ -57,6 +61,10 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
+    if ekind in _TC_KINDS and T <= TC_MAX_COLUMNS:
+        r = _route_tc(O, I, T, ekind, sm_count, swiglu)
+        if T >= 2 or r["grid"][0] >= sm_count:       # a T = 1 layer too small to fill the GPU keeps the old path
+            return r
     nt = next(b for b in _NT_BUCKETS if b >= T)
     if ekind == "nvfp4h":
         nt = 16                                       # slow path for I % 32 == 16: one instantiation
@@ -77,6 +85,28 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{tag}_t{nt}", "nt": nt, "ks": ks,
             "units": units, "rows_per_warp": ROWS_PER_WARP, "block": (32 * WARPS,), "grid": (blocks,),
             "T": T}
+
+
+def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
+    """Tensor-core GEMV (gemv_*_tc, gemv.cu): a warp owns a tile of 16 rows (SwiGLU: 8 gate rows and
+    their 8 up rows) and steps through I 64 bytes of each row at a time (4 lanes x 16 bytes); ks warps
+    of a block split the steps. Same ks rule as route(): the smallest giving >= 4 blocks per SM, capped
+    so that each of the ks warps gets at least one step."""
+    tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
+    steps = -(-(I // _EPC[kind]) // 4)
+    ks_cap = 1
+    while ks_cap < WARPS and ks_cap * 2 <= steps:
+        ks_cap *= 2
+    ks = ks_cap
+    for cand in (1, 2, 4, 8):
+        if cand > ks_cap:
+            break
+        if -(-tiles // (WARPS // cand)) >= 4 * sm_count:
+            ks = cand
+            break
+    blocks = -(-tiles // (WARPS // ks))
+    return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc", "nt": TC_MAX_COLUMNS, "ks": ks,
+            "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T}
 
 
 def bytes_read(O: int, I: int, T: int, kind: str) -> int:

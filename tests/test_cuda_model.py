@@ -152,10 +152,19 @@ def test_graph_replay_equals_eager_bit_for_bit(name, seed):
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "small"])
-def test_verification_commit_equals_plain_decoding(name, seed):
-    """keep_columns on the fast path: after commit(a) the GDN/conv state equals decoding a+1 columns."""
+@pytest.mark.parametrize("route", ["gemv", "production"])
+def test_verification_commit_equals_plain_decoding(name, route, seed, monkeypatch):
+    """keep_columns on the fast path: after commit(a) the GDN/conv state equals decoding a+1 columns.
+
+    With every linear on the GEMV kernels (whose columns do not interact) the states are equal bit
+    for bit; with the production route table a 4-column verification runs its projections on cuBLAS
+    and single-column decode on the GEMV, so they agree to bf16 rounding."""
     spec = SPECS[name]()
+    from kernels import cuda_linear
     from ranks.model_cuda import CudaHybridModel
+    if route == "gemv":
+        monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", {k: 16 for k in cuda_linear.GEMV_COLUMNS})
+        monkeypatch.setattr(cuda_linear, "TC_MAX_COLUMNS", 0)
     w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
     model = CudaHybridModel(spec, w, cuda_graphs=False)
     g = torch.Generator().manual_seed(seed)
@@ -179,8 +188,12 @@ def test_verification_commit_equals_plain_decoding(name, seed):
         live = [b for b in range(B) if t <= accepted[b]]
         model.forward(Batch(cols[live, t], [1] * len(live), [start + t] * len(live), live, tables[live]), s2)
     for j in range(len(spec.linear_attention_layers)):
-        assert rel(s1.recurrent[j], s2.recurrent[j]) < 1e-5
-        assert torch.equal(s1.conv[j], s2.conv[j])
+        if route == "gemv":
+            assert rel(s1.recurrent[j], s2.recurrent[j]) < 1e-6
+            assert torch.equal(s1.conv[j], s2.conv[j])
+        else:
+            assert rel(s1.recurrent[j], s2.recurrent[j]) < 2e-2
+            assert rel(s1.conv[j].float(), s2.conv[j].float()) < 2e-2
 
 
 def test_generate_cli_runs_the_demo_model_on_cuda():

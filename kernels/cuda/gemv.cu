@@ -22,6 +22,9 @@
 // through fp16 instead (see fp4x8_scaled), exact under -ftz. (fp8 products below 2^-126 after the
 // 2^-120 scaling are flushed too: |x * w| < 2^-6 * scale, within the bf16 error of the result.)
 //
+// fp8row / fp8blk / nvfp4 (I % 32 == 0) at T <= 8 use the tensor-core kernels gemv_*_tc further down
+// (16-row tiles, mma.sync bf16; see the comment there); the kernels below serve bf16, T = 9..16 and nvfp4h.
+//
 // Epilogue `mode`: 0 store bf16(y); 1 residual: bf16(residual + bf16(y)); 2 SwiGLU over a gate|up
 // weight of 2F rows: out[T, F] = bf16(bf16(silu(bf16(gate))) * bf16(up)).
 #include "common.cuh"
@@ -334,6 +337,285 @@ GEMV_KERNEL(gemv_nvfp4_t4, KIND_NVFP4, 4)
 GEMV_KERNEL(gemv_nvfp4_t8, KIND_NVFP4, 8)
 GEMV_KERNEL(gemv_nvfp4_t16, KIND_NVFP4, 16)
 GEMV_KERNEL(gemv_nvfp4h_t16, KIND_NVFP4H, 16)
+
+// ------------------------------------------------------------------------------------------------
+// Tensor-core decode GEMV for quantised weights, T <= 8 columns (sm_80+): gemv_{fp8row,fp8blk,nvfp4}_tc.
+//
+// A warp owns a tile of 16 weight rows and multiplies it with mma.sync.m16n8k16 (bf16 in, fp32
+// accumulate): the weights are the A operand (16 rows x 16 k, decoded in registers), x the B operand
+// (16 k x 8 columns; columns >= T are zeros), so T = 1..8 cost the same and the multiply-adds leave
+// the CUDA cores. Lane (g = lane / 4, t = lane % 4) supplies A rows g and g+8 and B column g at the
+// k slots {2t, 2t+1, 2t+8, 2t+9} of every mma (PTX ISA fragment layout for m16n8k16 .bf16):
+//   A reg0 = row g (k 2t, 2t+1)  reg1 = row g+8 (k 2t, 2t+1)  reg2 = row g (k 2t+8, 2t+9)  reg3 = row g+8 (k 2t+8, 2t+9)
+//   B reg0 = col g (k 2t, 2t+1)  reg1 = col g (k 2t+8, 2t+9)
+//   C c0, c1 = row g, cols 2t, 2t+1   c2, c3 = row g+8, cols 2t, 2t+1
+// A lane's A slots and B slots are the same k, so which physical element of I a slot holds is the
+// lane's choice, as long as A and B agree and rows g and g+8 use the same positions: lane (g, t)
+// streams the 16-byte chunk 4q + t of its two rows (4q .. 4q+3: one "step", 64 k for fp8 and 128 k
+// for nvfp4, 4 or 8 mmas) and loads the matching x of column g. Each bf16x2 A word pairs the
+// elements that decode with the same shifts, and x is permuted (prmt) to the same pairs.
+//
+// Rows: mode 0/1 tile u = rows 16u .. 16u+15 (row g = 16u + g, row g+8 = 16u + 8 + g); mode 2
+// (SwiGLU) tile u = gate rows f = 8u + g as "row g" and up rows F + f as "row g+8", so lane (g, t)
+// ends with gate and up of unit f for columns 2t, 2t+1. ks warps of a block split I (step q goes
+// to warp q % ks); a block covers 8 / ks tiles; warps of a tile add their C through shared memory.
+//
+// Exactness under -ftz=true (fp32 subnormals flush; bf16 arithmetic keeps subnormals):
+//   fp8: e4m3 bits placed as bf16 (sign at 15, 7 magnitude bits at 10..4) = value * 2^-120, exact
+//        for normal codes (e4m3 subnormals become bf16 subnormals; the mma may flush those, as the
+//        CUDA-core path does). x is scaled by 2^64 (exact in bf16 for |x| < 2^64), so products are
+//        value * x * 2^-56, far from the fp32 subnormal range; the epilogue multiplies by 2^56.
+//   nvfp4: e2m1 placed as bf16 (sign at 15, 3 magnitude bits at 8..6) = value * 2^-126 (code 1 =
+//        0.5 is a bf16 subnormal), multiplied in bf16x2 (fma.rn.bf16x2, subnormal inputs honoured)
+//        by the group scale * 2^118: the product value * scale * 2^-8 has at most 6 significant
+//        bits (e2m1: 2, e4m3: 4) and lies in [2^-18, 2^4], so it is exact and normal. The epilogue
+//        multiplies by 2^8 * global scale.
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// e4m3 bytes b0..b3 of w -> bf16x2 (b0, b2) and (b1, b3), each value * 2^-120.
+__device__ __forceinline__ void fp8x4_bf16(unsigned w, unsigned& e, unsigned& o) {
+    e = ((w << 4) & 0x07f007f0u) | ((w << 8) & 0x80008000u);
+    o = ((w >> 4) & 0x07f007f0u) | (w & 0x80008000u);
+}
+
+// e2m1 nibbles n0..n7 of w -> bf16x2 (n_j, n_j+4) for j = 0..3, each value * 2^-126.
+template <int J>
+__device__ __forceinline__ unsigned fp4pair_bf16(unsigned w) {
+    unsigned mag;
+    if constexpr (J < 2) mag = w << (6 - 4 * J);
+    else mag = w >> (4 * J - 6);
+    return (mag & 0x01c001c0u) | ((w << (12 - 4 * J)) & 0x80008000u);
+}
+
+// e4m3 scale byte -> bf16x2 (s * 2^118, s * 2^118), exact (s has 4 significant bits; via fp16, so an
+// e4m3 subnormal scale stays exact under -ftz).
+__device__ __forceinline__ unsigned fp8_scale_bf16x2_2p118(unsigned b) {
+    const unsigned short h = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));   // s * 2^-8
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    f *= __uint_as_float(0x7e800000u);                                                  // 2^126
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+    return d;
+}
+
+// One step of a lane: its chunk of both rows (wv, nvfp4 scale bytes sv) times the matching x (xv,
+// bf16 of column g, EPC / 8 uint4) into the accumulators (two sets, alternating, to halve the mma
+// dependency chain). fp8blk: the step's partial sums are scaled by the rows' block scales s0, s1.
+template <int KIND>
+__device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&sv)[2], const uint4* xv,
+                                        float s0, float s1, float (&acc)[2][4]) {
+    if (KIND == KIND_NVFP4) {
+        unsigned s2[2][2];                                            // [row][group]: (s, s) * 2^118
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            s2[r][0] = fp8_scale_bf16x2_2p118(sv[r] & 0xffu);
+            s2[r][1] = fp8_scale_bf16x2_2p118((sv[r] >> 8) & 0xffu);
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {                                 // 32-bit word m: elements 8m .. 8m+7
+            const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
+            const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+            const unsigned v0 = w0 >> 8, v1 = w1 >> 8;               // nibbles 2, 3 (6, 7) at 0, 1 (4, 5)
+            const uint4 xw = xv[m];                                   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
+            const unsigned sa = s2[0][m >> 1], sb = s2[1][m >> 1];
+            mma_bf16_16816(acc[0], bf16x2_mul(fp4pair_bf16<0>(w0), sa), bf16x2_mul(fp4pair_bf16<0>(w1), sb),
+                           bf16x2_mul(fp4pair_bf16<1>(w0), sa), bf16x2_mul(fp4pair_bf16<1>(w1), sb),
+                           prmt(xw.x, xw.z, 0x5410u), prmt(xw.x, xw.z, 0x7632u));          // (x0 x4) (x1 x5)
+            mma_bf16_16816(acc[1], bf16x2_mul(fp4pair_bf16<0>(v0), sa), bf16x2_mul(fp4pair_bf16<0>(v1), sb),
+                           bf16x2_mul(fp4pair_bf16<1>(v0), sa), bf16x2_mul(fp4pair_bf16<1>(v1), sb),
+                           prmt(xw.y, xw.w, 0x5410u), prmt(xw.y, xw.w, 0x7632u));          // (x2 x6) (x3 x7)
+        }
+    } else {
+        const unsigned two64 = 0x5f805f80u;                           // bf16x2 (2^64, 2^64)
+        float cs[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float (&cc)[2][4] = KIND == KIND_FP8BLK ? cs : acc;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {                                 // 32-bit word m: elements 4m .. 4m+3
+            const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
+            const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+            const uint4 xw = xv[m >> 1];
+            const unsigned xl = (m & 1) ? xw.z : xw.x, xh = (m & 1) ? xw.w : xw.y;   // (x0 x1) (x2 x3)
+            unsigned e0, o0, e1, o1;
+            fp8x4_bf16(w0, e0, o0);
+            fp8x4_bf16(w1, e1, o1);
+            mma_bf16_16816(cc[m & 1], e0, e1, o0, o1, bf16x2_mul(prmt(xl, xh, 0x5410u), two64),
+                           bf16x2_mul(prmt(xl, xh, 0x7632u), two64));                    // (x0 x2) (x1 x3)
+        }
+        if (KIND == KIND_FP8BLK) {
+            acc[0][0] = fmaf(cs[0][0] + cs[1][0], s0, acc[0][0]);
+            acc[0][1] = fmaf(cs[0][1] + cs[1][1], s0, acc[0][1]);
+            acc[0][2] = fmaf(cs[0][2] + cs[1][2], s1, acc[0][2]);
+            acc[0][3] = fmaf(cs[0][3] + cs[1][3], s1, acc[0][3]);
+        }
+    }
+}
+
+template <int KIND>
+__device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
+                                             const u8_t* __restrict__ w, const void* __restrict__ scale,
+                                             const float* __restrict__ gscale, const bf16_t* residual,
+                                             int O, int I, int T, int ks, int mode, int F, int sb) {
+    constexpr int U = KIND == KIND_NVFP4 ? 2 : 4;                   // steps in flight per lane
+    constexpr int EPC = KIND == KIND_NVFP4 ? 32 : 16;               // elements per 16-byte chunk
+    constexpr int XV = EPC / 8;                                      // uint4 of x per chunk
+    __shared__ float red[GEMV_WARPS][4][32];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kslot = warp % ks, uslot = warp / ks;
+    const int tile = blockIdx.x * (GEMV_WARPS / ks) + uslot;
+
+    int rows[2];
+    bool ok[2];
+    if (mode == 2) {
+        const int f = tile * 8 + g;
+        rows[0] = f; rows[1] = F + f;
+        ok[0] = ok[1] = f < F;
+    } else {
+        rows[0] = tile * 16 + g; rows[1] = rows[0] + 8;
+        ok[0] = rows[0] < O; ok[1] = rows[1] < O;
+    }
+
+    // A row past O (or past F) reads row 0: its A values only reach C rows that are never stored.
+    // A column g >= T reads column 0: B column g only reaches C column g, never stored either.
+    // Chunks past the row end (only in the last, partial step) get x = 0, so their A adds nothing.
+    const int C = I / EPC;                                            // 16-byte chunks per row
+    const int full = C / 4, steps = (C + 3) / 4;                      // steps with 4 valid chunks; all
+    const int c0 = kslot * 4 + t;                                     // this lane's chunk in step kslot
+    const u8_t* wp[2];
+    const u8_t* sp[2];
+    const float* bs[2];                                               // fp8blk: the rows' block-scale rows
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ok[r] ? rows[r] : 0;
+        wp[r] = w + (i64_t)row * ((i64_t)C * 16) + (i64_t)c0 * 16;
+        sp[r] = (const u8_t*)scale + (i64_t)row * (I / 16) + (i64_t)c0 * 2;
+        bs[r] = (const float*)scale + (i64_t)(row >> 7) * sb;
+    }
+    const bf16_t* xp = x + (i64_t)(g < T ? g : 0) * I + (i64_t)c0 * EPC;
+    const int wstep = ks * 4 * 16, sstep = ks * 4 * 2, xstep = ks * 4 * EPC;   // per step of this warp
+
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    int q = kslot;
+    for (; q + (U - 1) * ks < full; q += U * ks) {                    // U full steps, no guards
+        uint4 wv[U][2];
+        unsigned sv[U][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                wv[u][r] = ld_stream16(wp[r] + (i64_t)u * wstep);
+                sv[u][r] = KIND == KIND_NVFP4 ? (unsigned)__ldg((const unsigned short*)(sp[r] + (i64_t)u * sstep)) : 0u;
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            uint4 xv[XV];
+#pragma unroll
+            for (int k = 0; k < XV; ++k) xv[k] = ld_x16(xp + (i64_t)u * xstep + 8 * k);
+            float s0 = 1.f, s1 = 1.f;
+            if (KIND == KIND_FP8BLK) { s0 = __ldg(bs[0] + ((q + u * ks) >> 1)); s1 = __ldg(bs[1] + ((q + u * ks) >> 1)); }
+            tc_step<KIND>(wv[u], sv[u], xv, s0, s1, acc);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) { wp[r] += (i64_t)U * wstep; sp[r] += (i64_t)U * sstep; }
+        xp += (i64_t)U * xstep;
+    }
+    for (; q < steps; q += ks) {                                      // the rest, one step at a time
+        const bool live = q < full || q * 4 + t < C;                  // this lane's chunk exists
+        uint4 wv[2];
+        unsigned sv[2];
+        uint4 xv[XV];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            wv[r] = ld_stream16(live ? wp[r] : wp[r] - 16 * t);       // chunk 4q (exists) when not live
+            sv[r] = KIND == KIND_NVFP4 ? (unsigned)__ldg((const unsigned short*)(live ? sp[r] : sp[r] - 2 * t)) : 0u;
+        }
+#pragma unroll
+        for (int k = 0; k < XV; ++k) xv[k] = live ? ld_x16(xp + 8 * k) : make_uint4(0u, 0u, 0u, 0u);
+        float s0 = 1.f, s1 = 1.f;
+        if (KIND == KIND_FP8BLK) { s0 = __ldg(bs[0] + (q >> 1)); s1 = __ldg(bs[1] + (q >> 1)); }
+        tc_step<KIND>(wv, sv, xv, s0, s1, acc);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) { wp[r] += wstep; sp[r] += sstep; }
+        xp += xstep;
+    }
+
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[0][i] + acc[1][i];
+    __syncthreads();
+    if (kslot != 0) return;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float s = 0.f;
+        for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][i][lane];
+        v[i] = s;
+    }
+    // v[0], v[1]: rows[0], columns 2t, 2t+1; v[2], v[3]: rows[1], columns 2t, 2t+1.
+    float mul[2];
+    if (KIND == KIND_NVFP4) {
+        mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
+    } else {
+        const float two56 = __uint_as_float(0x5b800000u);             // 2^56
+        mul[0] = two56; mul[1] = two56;
+        if (KIND == KIND_FP8ROW) {
+            mul[0] *= ok[0] ? __ldg((const float*)scale + rows[0]) : 0.f;
+            mul[1] *= ok[1] ? __ldg((const float*)scale + rows[1]) : 0.f;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int col = 2 * t + j;
+        if (col >= T) continue;
+        const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
+        if (mode == 2) {
+            if (ok[0]) {
+                const float gate = bf16_to_f32(f32_to_bf16(r0));
+                const float up = bf16_to_f32(f32_to_bf16(r1));
+                const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
+                y[(i64_t)col * F + rows[0]] = f32_to_bf16(act * up);
+            }
+        } else {
+            const float rv[2] = {r0, r1};
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (ok[r]) {
+                    const i64_t o = (i64_t)col * O + rows[r];
+                    bf16_t b = f32_to_bf16(rv[r]);
+                    if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
+                    y[o] = b;
+                }
+            }
+        }
+    }
+}
+
+#define GEMV_TC_KERNEL(name, KIND) \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { gemv_tc_body<KIND>(GEMV_PASS); }
+
+GEMV_TC_KERNEL(gemv_fp8row_tc, KIND_FP8ROW)
+GEMV_TC_KERNEL(gemv_fp8blk_tc, KIND_FP8BLK)
+GEMV_TC_KERNEL(gemv_nvfp4_tc, KIND_NVFP4)
 
 // ------------------------------------------------------------------------------------------------
 // Dequantisation to bf16 [O, I] (prefill path and tests). One thread per 16 elements of a row,
