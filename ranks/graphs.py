@@ -3,7 +3,8 @@
 A step is graphable when every sequence has the same number of columns T (1 for decode, K+1 for
 a speculation round) and the model's all-reduce runs on the stream. Graphs are keyed by
 (batch size B, T, page-table width P rounded up to a power of two, logits mode, state): the
-first step of a key runs eagerly (compiling kernels, creating library handles), the second is
+first step of a key runs eagerly with the graph's metadata shapes (loading every kernel the graph
+will launch, creating library handles), the second is
 captured and every later one only copies its metadata (ids, positions, slots, page tables: one
 int32 buffer) into the graph's static input and replays it: no Python per layer. All graphs share
 one memory pool; their outputs stay valid until the next step of the same key.
@@ -53,15 +54,19 @@ class GraphRunner:
         return (len(batch.columns), T, _pow2(pages_needed(batch)), logits, id(state))
 
     def run(self, batch: Batch, state, logits: str) -> StepOutput | None:
-        """Replay (capturing first if due) the graph of this batch's key; None = run it eagerly."""
+        """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the
+        first time a key is seen; None = not graphable (the caller runs it)."""
         key = self.key(batch, state, logits)
         if key is None:
             return None
         cap = self.graphs.get(key)
         if cap is None:
             if key not in self.seen or len(self.graphs) >= self.max_graphs:
+                # eager, but with the graph's page-table width: the same kernels (attention splits
+                # included) get loaded now, since loading one during a capture invalidates it
                 self.seen.add(key)
-                return None
+                db = self.model.device_batch(batch, key[2])
+                return self.model.fast_forward(db, state, logits)
             cap = self._capture(key, state, logits)
         self.model.device_batch(batch, key[2], storage=cap.storage)
         cap.graph.replay()
