@@ -41,8 +41,12 @@ class GraphRunner:
         self.model = model
         self.max_graphs = max_graphs
         self.pool = torch.cuda.graph_pool_handle()
+        # warm-up steps and captures run on one side stream (the torch recipe: libraries such as
+        # cuBLAS set up per-stream state on first use, which must not happen during a capture)
+        self.stream = torch.cuda.Stream(device=model.device)
         self.graphs: dict[tuple, Captured] = {}
         self.seen: set[tuple] = set()
+        self.failed: set[tuple] = set()
         self.captures = 0
         self.replays = 0
 
@@ -57,22 +61,38 @@ class GraphRunner:
         """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the
         first time a key is seen; None = not graphable (the caller runs it)."""
         key = self.key(batch, state, logits)
-        if key is None:
+        if key is None or key in self.failed:
             return None
         cap = self.graphs.get(key)
         if cap is None:
             if key not in self.seen or len(self.graphs) >= self.max_graphs:
-                # eager, but with the graph's page-table width: the same kernels (attention splits
-                # included) get loaded now, since loading one during a capture invalidates it
+                # eager, on the capture stream and with the graph's page-table width: the same kernels
+                # (attention splits included) get loaded now, since loading one during a capture
+                # invalidates it
                 self.seen.add(key)
                 db = self.model.device_batch(batch, key[2])
-                return self.model.fast_forward(db, state, logits)
-            cap = self._capture(key, state, logits)
+                return self._on_side(lambda: self.model.fast_forward(db, state, logits))
+            try:
+                cap = self._capture(key, state, logits)
+            except Exception:                        # noqa: BLE001 - a capture failure costs speed, not the step
+                log.warning("CUDA graph capture failed for B=%d T=%d pages<=%d; that shape runs eagerly",
+                            key[0], key[1], key[2], exc_info=True)
+                self.failed.add(key)
+                torch.cuda.synchronize(self.model.device)
+                return None
         self.model.device_batch(batch, key[2], storage=cap.storage)
         cap.graph.replay()
         cap.replays += 1
         self.replays += 1
         return StepOutput(cap.out.hidden, cap.out.logits, None)
+
+    def _on_side(self, fn):
+        cur = torch.cuda.current_stream(self.model.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        cur.wait_stream(self.stream)
+        return out
 
     def _capture(self, key: tuple, state, logits: str) -> Captured:
         from ranks.model_cuda import DeviceBatch
@@ -83,7 +103,7 @@ class GraphRunner:
         db = DeviceBatch.on(storage, B, N, P, P * 64)
         torch.cuda.synchronize(m.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="relaxed"):
             out = m.fast_forward(db, state, logits)
         cap = Captured(graph, storage, out)
         self.graphs[key] = cap
