@@ -160,7 +160,9 @@ class Coordinator:
         self.has_mtp = all(r.has_mtp for r in ready.values())
         if self.options.spec_draft_tokens and not self.has_mtp:      # the ranks refuse too; say it plainly
             raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.*); {self.model_dir} has none")
-        log.info("%d rank(s) ready: %s", self.tp, {r: (m.pid, m.weight_bytes, m.state_bytes) for r, m in ready.items()})
+        log.info("%d rank(s) ready: %s", self.tp, {r: dict(pid=m.pid, weight_bytes=m.weight_bytes,
+                                                            state_bytes=m.state_bytes, **m.runtime)
+                                                    for r, m in ready.items()})
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping.is_set() and self._thread is None:
