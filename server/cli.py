@@ -104,6 +104,22 @@ def default_dtype(args) -> str:
     return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
 
+def backend_conflict(args) -> str | None:
+    """Why the backend flags cannot work together (a message naming the flags), or None."""
+    dtype = default_dtype(args)
+    on_cuda = args.device.startswith("cuda")
+    if args.backend == "cuda" and not on_cuda:
+        return f"--backend cuda needs --device cuda (got --device {args.device})"
+    if args.backend == "cuda" and dtype != "bfloat16":
+        return f"--backend cuda runs bfloat16 (got --dtype {dtype})"
+    if args.weights != "bf16" and (not on_cuda or args.backend == "reference" or dtype != "bfloat16"):
+        return (f"--weights {args.weights} needs the cuda backend (--device cuda, bfloat16); "
+                f"got --device {args.device} --dtype {dtype} --backend {args.backend}")
+    if args.transport not in ("auto", "cpu") and not on_cuda:
+        return f"--transport {args.transport} is for GPU ranks (--device cuda); the CPU ranks use the CPU mailbox"
+    return None
+
+
 def add_serve_parser(sub) -> None:
     from runtime.engine import EngineOptions
 
@@ -203,6 +219,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model_dir = args.model_dir or default_model_dir()
     args.dtype = default_dtype(args)
+    problem = backend_conflict(args)
+    if problem:
+        print(f"tandem generate: {problem}", file=sys.stderr)
+        return 2
     if args.device != "cpu":
         try:
             torch.empty(0, device=args.device)

@@ -46,8 +46,12 @@ def serve(args, argv: list[str]) -> int:
     from server.request_log import RequestLog, config_record
     from server.service import QWEN_MODE_SAMPLING, Service
 
+    from server.cli import backend_conflict
     model_dir = args.model_dir or default_model_dir()
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    problem = backend_conflict(args)
+    if problem:
+        return _fail(problem)
     try:
         spec = load_spec(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)

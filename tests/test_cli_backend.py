@@ -1,0 +1,58 @@
+"""Backend, weight-format and transport flags: impossible combinations are refused up front (exit 2,
+a message naming the flags) by `tandem generate` and `tandem serve`, before any model is loaded; the
+option values reach EngineOptions, which validates them too."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.engine import EngineOptions
+from server.cli import main
+
+BAD = [
+    (["--backend", "cuda"], "--backend cuda needs --device cuda"),
+    (["--weights", "nvfp4"], "--weights nvfp4 needs the cuda backend"),
+    (["--weights", "fp8", "--device", "cuda", "--dtype", "float32"], "--weights fp8 needs the cuda backend"),
+    (["--weights", "fp8-block", "--device", "cuda", "--backend", "reference"], "--weights fp8-block needs"),
+    (["--transport", "mailbox"], "--transport mailbox is for GPU ranks"),
+    (["--transport", "nccl", "--tp", "2"], "--transport nccl is for GPU ranks"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_generate_refuses(flags, message, capsys):
+    assert main(["generate", "--prompt-ids", "1,2,3", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_serve_refuses(flags, message, capsys):
+    assert main(["serve", "--port", "0", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_backend_on_cuda_with_float32_is_refused(capsys):
+    assert main(["generate", "--prompt-ids", "1", "--device", "cuda", "--dtype", "float32", "--backend", "cuda"]) == 2
+    assert "--backend cuda runs bfloat16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field,value", [("backend", "triton"), ("weights", "int4"), ("transport", "rdma")])
+def test_engine_options_validate(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineOptions(**{field: value})
+
+
+@pytest.mark.parametrize("flag,value", [("--backend", "triton"), ("--weights", "int4"), ("--transport", "rdma")])
+def test_argparse_rejects_unknown_choices(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt-ids", "1", flag, value])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_reference_backend_still_generates_on_cpu(capsys):
+    """The default CPU path is untouched by the new flags (the demo model, a few greedy tokens)."""
+    assert main(["generate", "--prompt-ids", "1,2,3", "--greedy", "--max-new-tokens", "3", "--print-token-ids",
+                 "--backend", "reference"]) == 0
+    ids = capsys.readouterr().out.strip().splitlines()[-1].split(",")
+    assert len(ids) == 3 and all(i.isdigit() for i in ids)
