@@ -307,6 +307,31 @@ class CudaHybridModel(HybridModel):
                                             gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b])
         return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 
+    def _gated_deltanet(self, p: str, h: Tensor, batch: Batch, state: ModelState, j: int) -> Tensor:
+        """Reference-path GDN (prefill chunks) on the decode kernels, which take any column count:
+        the conv runs its columns in parallel, the recurrence walks them in order inside one kernel
+        per layer (fp32 state in registers), instead of the torch chunked rule's many small ops.
+        Verification blocks (keep_columns) keep the reference path."""
+        if self._keep is not None and any(self._keep):
+            return super()._gated_deltanet(p, h, batch, state, j)
+        s, w = self.spec, self.w
+        HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
+        q = p + "linear_attn."
+        qkv = self._linear(h, w[q + "in_proj_qkv.weight"])
+        z = self._linear(h, w[q + "in_proj_z.weight"])
+        a = self._linear(h, w[q + "in_proj_a.weight"])
+        b = self._linear(h, w[q + "in_proj_b.weight"])
+        conv_w = w[q + "conv1d.weight"].view(w[q + "conv1d.weight"].shape[0], -1)
+        B = len(batch.columns)
+        meta = torch.tensor([0] + list(np.cumsum(batch.columns)) + list(batch.slots)
+                            + [int(st == 0) for st in batch.starts], dtype=torch.int32).to(self.device)
+        cu, slots, fresh = meta[:B + 1], meta[B + 1:2 * B + 1], meta[2 * B + 1:]
+        y = cg.conv1d(qkv, conv_w, state.conv[j], slots, cu, fresh, max_columns=max(batch.columns))
+        o = cg.gated_delta_rule(y, a, b, w[q + "A_log"], w[q + "dt_bias"], state.recurrent[j], slots, cu, fresh,
+                                HK, HV, DK, DV)
+        o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
+        return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
+
     def _ffn(self, p: str, h: Tensor) -> Tensor:
         w = self.w
         if not self.spec.is_moe:

@@ -142,7 +142,8 @@ def time_prefill(model, state, length: int, chunk: int) -> float:
     return time.perf_counter() - t0
 
 
-def hf_decode(spec_name: str, layers: int | None, concurrency: list[int], context: int, steps: int) -> dict:
+def hf_decode(spec_name: str, layers: int | None, concurrency: list[int], context: int, steps: int,
+              device: str = "cuda") -> dict:
     """transformers on the same config, random bf16 weights, decode step time at each C."""
     import transformers
     from ranks.random_checkpoint import text_config
@@ -152,32 +153,33 @@ def hf_decode(spec_name: str, layers: int | None, concurrency: list[int], contex
     mcls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             m = mcls(conf).eval()
     finally:
         torch.set_default_dtype(torch.float32)
     out = {}
     for C in concurrency:
-        ids = torch.randint(0, spec_for(spec_name).vocab_size, (C, context), device="cuda")
+        ids = torch.randint(0, spec_for(spec_name).vocab_size, (C, context), device=device)
         with torch.inference_mode():
             r = m(input_ids=ids, use_cache=True)
             past = r.past_key_values
             nxt = r.logits[:, -1:].argmax(-1)
             ts = []
+            sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
             for _ in range(steps):
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 r = m(input_ids=nxt, past_key_values=past, use_cache=True)
                 past = r.past_key_values
                 nxt = r.logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
+                sync()
                 ts.append(time.perf_counter() - t0)
         out[C] = statistics.median(ts[2:] or ts)
         del past, r
-        torch.cuda.empty_cache()
     del m
     gc.collect()
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return out
 
 
