@@ -162,6 +162,37 @@ class CudaHybridModel(HybridModel):
             db = self.device_batch(batch)
             return self.fast_forward(db, state, logits, batch if keep else None)
 
+    @torch.inference_mode()
+    def mtp_forward(self, batch: Batch, hidden: Tensor, state: ModelState, logits="all") -> StepOutput:
+        """The MTP layer; drafting steps (<= MAX_FAST_COLUMNS columns per sequence) on the kernels."""
+        if not self.has_mtp:
+            raise RuntimeError("this checkpoint has no MTP weights")
+        if max(batch.columns) > MAX_FAST_COLUMNS:
+            return super().mtp_forward(batch, hidden, state, logits)
+        with torch.cuda.device(self.device_index):
+            return self.fast_mtp(self.device_batch(batch), hidden, state, logits)
+
+    def fast_mtp(self, db: DeviceBatch, hidden: Tensor, state: ModelState, logits="all") -> StepOutput:
+        """m = mtp.norm(layer(fc([norm_e(embed(ids)) | norm_h(hidden)]))) and its head logits; the
+        layer's attention uses the MTP KV pools (ops.mtp_fuse and HybridModel.mtp_forward in kernels)."""
+        w, eps = self.w, self.spec.rms_norm_eps
+        e = cm.rms_norm(cm.embedding(db.ids, w["embed_tokens.weight"]), w["mtp.pre_fc_norm_embedding.weight"], eps)
+        h = cm.rms_norm(hidden.to(self.dtype).contiguous(), w["mtp.pre_fc_norm_hidden.weight"], eps)
+        x = self._linear(torch.cat([e, h], dim=-1), w["mtp.fc.weight"])
+        p = "mtp.layers.0."
+        h = cm.rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        y = self._fast_attention(p, h, db, state.mtp_k, state.mtp_v)
+        x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
+        y = self._fast_ffn(p, h)
+        x, m = cm.add_rms_norm(x, y, w["mtp.norm.weight"], eps)
+        if logits == "none":
+            out = None
+        elif logits == "last":
+            out = self._linear(m.index_select(0, db.last_cols), self.head)
+        else:
+            out = self._linear(m, self.head)
+        return StepOutput(m, out)
+
     def device_batch(self, batch: Batch, P: int | None = None, storage: Tensor | None = None) -> DeviceBatch:
         """Upload a batch's metadata (one copy through a pinned buffer)."""
         P = P or pages_needed(batch)

@@ -238,3 +238,31 @@ def test_speculation_on_the_cuda_backend_keeps_greedy_output(draft_tokens):
     assert outs[1] == outs[0]
     assert stats["rounds"] > 0 and stats["accepted"] > 0
     print(f"K={draft_tokens}: {stats['tokens_per_round']:.2f} tokens per round on the CUDA backend")
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+def test_mtp_layer_matches_the_float32_reference(name, seed):
+    """CudaHybridModel.mtp_forward (drafting columns on the kernels, MTP KV pools) against the float32
+    reference's mtp_forward on the same weights, after the same target prefill."""
+    spec = SPECS[name]()
+    ref, ref16, model = _models(spec, seed, graphs=False)
+    g = torch.Generator().manual_seed(seed)
+    B, start, T = 3, 12, 3
+    tables = page_table(B, 2)
+    prompt = torch.randint(0, spec.vocab_size, (B, start), generator=g)
+    nxt = torch.randint(0, spec.vocab_size, (B, T), generator=g)
+    check = Agreement(f"{name} MTP")
+    got = []
+    for m in (ref, ref16, model):
+        st = m.new_state(B, B * 2)
+        outs = [m.forward(Batch(prompt[b], [start], [0], [b], tables[b:b + 1]), st, logits="none").hidden
+                for b in range(B)]
+        # MTP columns: for each sequence its last T positions (ids = the tokens after them)
+        hid = torch.cat([o[start - T:] for o in outs])
+        mb = Batch(nxt.reshape(-1), [T] * B, [start - T] * B, list(range(B)), tables)
+        got.append(m.mtp_forward(mb, hid, st, logits="all").logits.float().cpu())
+    want, want16, cuda = got
+    for b in range(B):
+        rows = slice(b * T, (b + 1) * T)
+        check.add(cuda[rows], want[rows], want16[rows], f"{name} MTP seq {b}")
+    check.check()
