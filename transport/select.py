@@ -46,6 +46,11 @@ def choose(kind: str, rank: int, tp: int, device: int, cpu_mailbox, gpu_mailbox:
     """The all-reduce rank `rank` uses (collective: every rank calls it with the same kind)."""
     if tp == 1:
         return Transport("none", lambda t: t, True)
+    if os.environ.get("TANDEM_BENCH_SKIP_ALLREDUCE") == "1":
+        # benchmarks only (scripts/bench/decode_tp.py --share): every rank keeps its partial sums, so
+        # outputs are wrong; the step time without exchanges gives the all-reduce share of a step
+        log.warning("rank %d: TANDEM_BENCH_SKIP_ALLREDUCE=1: all-reduces are skipped, outputs are wrong", rank)
+        return Transport("skip", lambda t: t, True)
     if kind == "cpu":
         return Transport("cpu", cpu_mailbox.all_reduce, False)
     if kind == "nccl":

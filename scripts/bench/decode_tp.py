@@ -7,7 +7,9 @@ tp 2 with each GPU transport, on a random full-size model (weights built on the 
 
 For each configuration: C requests of --prompt-len random tokens, --new-tokens greedy tokens each
 (ignore_eos), submitted together; the decode step time is (last finish - last first token) /
-(new tokens - 1). Prints a table with the ratio to tp 1 and writes JSON.
+(new tokens - 1). Prints a table with the ratio to tp 1 and writes JSON. --share adds a tp 2 run
+whose all-reduces are skipped (TANDEM_BENCH_SKIP_ALLREDUCE=1; outputs are wrong, only its time
+counts): 1 - that step / the mailbox step is the all-reduce share of a tp 2 step.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--share", action="store_true", help="also time tp 2 with the all-reduces skipped")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = text_config(args.model, num_layers=args.layers)
@@ -76,14 +79,18 @@ def main(argv=None) -> int:
     res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"), runs=[])
     base = {}
     for tp in args.tp:
-        for transport in (args.transport if tp > 1 else ["none"]):
+        for transport in (args.transport + (["skip"] if args.share else []) if tp > 1 else ["none"]):
             try:
-                r = run(d, cfg["vocab_size"], tp, "cpu" if transport == "none" else transport, args.weights,
-                        args.concurrency, args.prompt_len, args.new_tokens)
+                if transport == "skip":
+                    os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
+                r = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
+                        args.weights, args.concurrency, args.prompt_len, args.new_tokens)
             except Exception as e:                     # report and go on with the other configurations
                 print(f"tp {tp} {transport}: failed: {e}", flush=True)
                 res["runs"].append(dict(tp=tp, transport=transport, error=str(e)))
                 continue
+            finally:
+                os.environ.pop("TANDEM_BENCH_SKIP_ALLREDUCE", None)
             for C in args.concurrency:
                 step = r[C]["step_s"]
                 if tp == 1:
@@ -92,6 +99,13 @@ def main(argv=None) -> int:
                 res["runs"].append(dict(tp=tp, transport=transport, C=C, step_s=step, ratio_to_tp1=ratio))
                 print(f"tp {tp} {transport:8s} C={C:3d}: step {step * 1e3:7.2f} ms  {C / step:8.1f} tok/s  "
                       f"{ratio:5.2f}x the tp 1 step", flush=True)
+    for C in args.concurrency:
+        steps = {r["transport"]: r["step_s"] for r in res["runs"] if r.get("C") == C and r["tp"] == 2}
+        if "skip" in steps and "mailbox" in steps:
+            share = 1 - steps["skip"] / steps["mailbox"]
+            res.setdefault("allreduce_share", {})[C] = share
+            print(f"C={C}: all-reduce share of a tp 2 mailbox step {share:.1%} "
+                  f"({steps['mailbox'] * 1e3:.2f} ms with, {steps['skip'] * 1e3:.2f} ms without)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

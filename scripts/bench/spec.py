@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""MTP speculation through the engine: tokens per round, round time and tok/s for K draft tokens
+against plain decoding, per concurrency.
+
+    python scripts/bench/spec.py --device cuda --draft-tokens 0 1 2 3 4 5 --concurrency 1 4 8 --out spec.json
+    python scripts/bench/spec.py --device cuda --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1
+
+--model demo (default) runs the embedded model with its trained MTP head (real acceptance, greedy
+chat-like prompts from its tokenizer); a preset name (27b, 35b-a3b, ...) runs random weights built on
+the GPUs (acceptance ~0, so a round yields one token: what it measures is the round's cost next to a
+plain step, from which the break-even acceptance follows). For each K (0 = off) and C: C requests
+submitted together, greedy, ignore_eos; round time = (last finish - last first token) / rounds of
+the slowest request, where a plain step counts as one round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, repo_root)
+
+from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):\n", "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+           "import os\nimport sys\n\n\ndef main():\n", "The quick brown fox", "class Stack:\n    def __init__(self):\n",
+           "<|im_start|>user\nWrite a python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n",
+           "for i in range(10):\n", "# Sorting a list in Python\n"]
+
+
+def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: str, k: int, C: int,
+        new_tokens: int, random_weights: bool) -> dict:
+    opts = EngineOptions(max_concurrency=C, spec_draft_tokens=k, random_weights=random_weights,
+                         max_context=max(map(len, prompts)) + new_tokens + 16, startup_timeout_s=900)
+    with Engine.start(model_dir, tp=tp, device=device, dtype=dtype, options=opts) as engine:
+        def batch():
+            finals = [None] * C
+
+            def one(i):
+                evs = list(engine.submit(prompts[i % len(prompts)], SamplingParams(
+                    temperature=0, max_new_tokens=new_tokens, ignore_eos=True)))
+                if evs[-1].error:
+                    raise RuntimeError(evs[-1].error)
+                finals[i] = evs[-1]
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return finals
+        batch()                                         # warm-up: kernels, graphs
+        finals = batch()
+    first = max(f.timings["ttft_s"] for f in finals)
+    last = max(f.timings["total_s"] for f in finals)
+    rounds = max((f.spec or {}).get("rounds", 0) or (new_tokens - 1) for f in finals)
+    per_round = (sum((f.spec or {}).get("tokens_per_round") or 1.0 for f in finals) / C)
+    decode_tokens = C * (new_tokens - 1)
+    return dict(K=k, C=C, tokens_per_round=per_round, round_s=(last - first) / rounds,
+                decode_tok_s=decode_tokens / (last - first), per_request_tok_s=(new_tokens - 1) / (last - first))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo", help="demo (the embedded model) or a random preset (27b, ...)")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.model == "demo":
+        from ranks.demo import default_model_dir
+        from runtime.tokenizer import Tokenizer
+        model_dir, random_weights = default_model_dir(), False
+        tok = Tokenizer.from_dir(model_dir)
+        prompts = [tok.encode(p) for p in PROMPTS]
+    else:
+        from ranks.random_checkpoint import _wrapper_config, text_config
+        cfg = text_config(args.model, num_layers=args.layers)
+        model_dir, random_weights = tempfile.mkdtemp(prefix="tandem-bench-"), True
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(64)] for _ in range(8)]
+    res = dict(model=args.model, tp=args.tp, device=args.device, dtype=dtype, date=time.strftime("%Y-%m-%d"), runs=[])
+    base: dict[int, float] = {}
+    print(f"{'K':>2s} {'C':>3s} {'tok/round':>9s} {'round ms':>9s} {'tok/s':>8s} {'per req':>8s} {'round/step':>10s}")
+    for C in args.concurrency:
+        for k in args.draft_tokens:
+            r = run(model_dir, prompts, args.tp, args.device, dtype, k, C, args.new_tokens, random_weights)
+            if k == 0:
+                base[C] = r["round_s"]
+            r["round_over_step"] = r["round_s"] / base[C] if C in base else None
+            res["runs"].append(r)
+            ratio = f"{r['round_over_step']:10.2f}" if r["round_over_step"] else f"{'':>10s}"
+            print(f"{k:2d} {C:3d} {r['tokens_per_round']:9.2f} {r['round_s'] * 1e3:9.2f} {r['decode_tok_s']:8.1f} "
+                  f"{r['per_request_tok_s']:8.1f} {ratio}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
