@@ -11,6 +11,12 @@ A sequence's columns sit at consecutive positions; column n attends to keys 0..p
     o = decode_attention(q, k_pool, v_pool, page_tables, positions, seq_of_col, D ** -0.5,
                          gate, max_len_hint=bucket_max_context)              # [N, H*D] gated
 
+int8 KV: pools of int8 codes [P, 64, KV, D] with fp32 scale pools k_scale / v_scale [P, 64, KV, D/64]
+(one scale per token, kv head and 64 channels; kernels/reference.quantize_kv_int8). Pass the scale
+pools as k_scale= / v_scale= to every function; the pool dtype picks the kernels
+(qk_norm_rope_kv_write_i8 quantises k after norm + rope and v; gqa_decode_split_i8_g* dequantise in
+registers; prefill gathers and dequantises in torch). D must be 64, 128 or 256 for the int8 decode.
+
 Numerics follow kernels/reference.py in bf16: norms in fp32 rounded to bf16, cos/sin rounded to
 bf16 and the rotation done in bf16 steps, softmax in fp32, the attention output rounded to bf16 and
 multiplied by bf16(sigmoid(gate)) with one more bf16 rounding. (The reference also rounds the
@@ -34,6 +40,8 @@ _NR_THREADS = 256                # qk_norm_rope_kv_write_bf16
 _NR_MAXD = 512
 _ATT_THREADS = 128               # gqa_decode_split_g* (4 warps)
 _ATT_MAXG = 8                    # query heads per CTA (instantiated 1..8)
+_ATT_I8_MAXG = 4                 # gqa_decode_split_i8_g* (16 dims per lane: instantiated 1..4)
+_KV_GROUP = 64                   # channels per int8 scale
 _COMBINE_THREADS = 64
 _MIN_CHUNK = 64                  # keys per split at least (H200, 27B C=1: 256 left 32 CTAs and 10% of the step)
 _WAVES = 2                       # aim for this many CTAs per SM when choosing splits
@@ -67,12 +75,27 @@ def _meta(positions: torch.Tensor, seq_of_col: torch.Tensor, page_tables: torch.
     check(page_tables, "page_tables", torch.int32, (None, None))
 
 
-def _pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:
-    check(k_pool, "k_pool", torch.bfloat16, (None, PAGE_SIZE, None, None))
-    check(v_pool, "v_pool", torch.bfloat16, tuple(k_pool.shape))
+def _pools(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[int, int, bool]:
+    """(KV, D, int8): bf16 pools without scales, or int8 pools with both fp32 scale pools."""
+    quant = isinstance(k_pool, torch.Tensor) and k_pool.dtype == torch.int8
+    dt = torch.int8 if quant else torch.bfloat16
+    check(k_pool, "k_pool", dt, (None, PAGE_SIZE, None, None))
+    check(v_pool, "v_pool", dt, tuple(k_pool.shape))
     if not (_aligned(k_pool) and _aligned(v_pool)):
         raise KernelError("k_pool/v_pool must be 16-byte aligned")
-    return k_pool.shape[2], k_pool.shape[3]
+    P, _, KV, D = k_pool.shape
+    if not quant:
+        if k_scale is not None or v_scale is not None:
+            raise KernelError("k_scale/v_scale are for int8 pools; these pools are bf16")
+        return KV, D, False
+    if k_scale is None or v_scale is None:
+        raise KernelError("int8 pools need k_scale and v_scale")
+    if D % _KV_GROUP:
+        raise KernelError(f"int8 KV: head_dim {D} is not a multiple of {_KV_GROUP}")
+    check(k_scale, "k_scale", torch.float32, (P, PAGE_SIZE, KV, D // _KV_GROUP))
+    check(v_scale, "v_scale", torch.float32, (P, PAGE_SIZE, KV, D // _KV_GROUP))
+    return KV, D, True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -82,14 +105,16 @@ def _pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:
 def qk_norm_rope_kv_write(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor,
                           k_norm_w: torch.Tensor, eps: float, positions: torch.Tensor, seq_of_col: torch.Tensor,
                           page_tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rotary_dim: int,
-                          theta: float, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                          theta: float, q_out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Zero-centred RMSNorm of every q and k head, partial NeoX rope over the first rotary_dim dims,
     q -> q_out [N, H, D]; normed+roped k and raw v stored in the pools at each column's position.
 
     qg [N, H*2*D] (per head [q | gate], the q_proj output), k, v [N, KV*D] (rows may be strided),
-    q_norm_w, k_norm_w [D] bf16. Returns q_out.
+    q_norm_w, k_norm_w [D] bf16. Returns q_out. int8 pools (with k_scale / v_scale): k (the bf16
+    value the bf16 kernel would store) and v are quantised per 64 channels and codes + scales stored.
     """
-    KV, D = _pools(k_pool, v_pool)
+    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
     N = qg.shape[0]
     if D % 8 or D > _NR_MAXD:
         raise KernelError(f"head_dim {D}: need a multiple of 8 <= {_NR_MAXD}")
@@ -114,11 +139,15 @@ def qk_norm_rope_kv_write(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     if N == 0:
         return q_out
     dev = L.device_of(qg)
-    fn = L.kernel(_SRC, "qk_norm_rope_kv_write_bf16", dev)
-    L.launch(fn, (N,), (_NR_THREADS,),
-             (q_out, k_pool, v_pool, qg, k, v, q_norm_w, k_norm_w, positions, seq_of_col, page_tables,
-              H, KV, D, int(rotary_dim), page_tables.shape[1], np.int64(qg.stride(0)), np.int64(k.stride(0)),
-              np.int64(v.stride(0)), np.float32(eps), np.float32(theta)), device=dev)
+    tail = (qg, k, v, q_norm_w, k_norm_w, positions, seq_of_col, page_tables,
+            H, KV, D, int(rotary_dim), page_tables.shape[1], np.int64(qg.stride(0)), np.int64(k.stride(0)),
+            np.int64(v.stride(0)), np.float32(eps), np.float32(theta))
+    if quant:
+        fn = L.kernel(_SRC, "qk_norm_rope_kv_write_i8", dev)
+        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool, k_scale, v_scale) + tail, device=dev)
+    else:
+        fn = L.kernel(_SRC, "qk_norm_rope_kv_write_bf16", dev)
+        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool) + tail, device=dev)
     return q_out
 
 
@@ -126,19 +155,20 @@ def qk_norm_rope_kv_write(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
 # Decode / verification attention
 
 
-def _head_chunk(groups: int) -> int:
-    """Query heads per CTA: the largest divisor of `groups` that is <= 8."""
-    return max(c for c in range(1, _ATT_MAXG + 1) if groups % c == 0)
+def _head_chunk(groups: int, max_chunk: int = _ATT_MAXG) -> int:
+    """Query heads per CTA: the largest divisor of `groups` that is <= max_chunk (8; 4 for int8 KV)."""
+    return max(c for c in range(1, max_chunk + 1) if groups % c == 0)
 
 
-def choose_splits(n_cols: int, kv_heads: int, groups: int, max_len: int, sms: int) -> tuple[int, int]:
+def choose_splits(n_cols: int, kv_heads: int, groups: int, max_len: int, sms: int,
+                  max_chunk: int = _ATT_MAXG) -> tuple[int, int]:
     """(splits, chunk): key splits per (column, kv head) and keys per split (a multiple of 64).
 
     Enough CTAs for ~_WAVES per SM, but no split shorter than _MIN_CHUNK keys of the bound max_len.
     The kernel's last split runs to the true length, so a bound that is too small stays correct.
     """
     max_len = max(int(max_len), 1)
-    ctas = max(1, n_cols * kv_heads * (groups // _head_chunk(groups)))
+    ctas = max(1, n_cols * kv_heads * (groups // _head_chunk(groups, max_chunk)))
     want = max(1, -(-_WAVES * sms // ctas))
     splits = max(1, min(want, -(-max_len // _MIN_CHUNK)))
     chunk = -(-max_len // splits)
@@ -169,22 +199,26 @@ def _gate(gate: torch.Tensor, N: int, H: int, D: int) -> tuple[torch.Tensor, int
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
                      positions: torch.Tensor, seq_of_col: torch.Tensor, scale: float, gate: torch.Tensor,
-                     out: torch.Tensor | None = None, max_len_hint: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, max_len_hint: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of N columns (any mix of sequences, T >= 1 columns each) against the
-    paged KV, gated: out [N, H*D] = bf16(attn) * bf16(sigmoid(gate)) in bf16.
+    paged KV, gated: out [N, H*D] = bf16(attn) * bf16(sigmoid(gate)) in bf16. int8 pools: pass
+    their scale pools (K and V dequantised in registers; D 64, 128 or 256).
 
     q [N, H, D] bf16 (from qk_norm_rope_kv_write); gate [N, H*D] or [N, H, D] (strided view ok).
     max_len_hint: a host-side bound on every column's key count (the bucket's max context); it
     picks the number of key splits (default: the page table width * 64). Lengths themselves are
     read on the device; a hint that is too small is slower, never wrong.
     """
-    KV, D = _pools(k_pool, v_pool)
+    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
     check(q, "q", torch.bfloat16, (None, None, D))
     N, H = q.shape[0], q.shape[1]
     if H % KV:
         raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
     if D < 8 or D > 256 or D & (D - 1):
         raise KernelError(f"head_dim {D}: the decode kernel needs a power of two in [8, 256]")
+    if quant and D < 64:
+        raise KernelError(f"head_dim {D}: the int8 decode kernel needs 64, 128 or 256")
     if not _aligned(q):
         raise KernelError("q must be 16-byte aligned")
     _meta(positions, seq_of_col, page_tables, N)
@@ -199,18 +233,20 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
     dev = L.device_of(q)
     G = H // KV
-    GC = _head_chunk(G)
+    max_chunk = _ATT_I8_MAXG if quant else _ATT_MAXG
+    GC = _head_chunk(G, max_chunk)
     bound = page_tables.shape[1] * PAGE_SIZE
     max_len = bound if max_len_hint is None else max(1, min(int(max_len_hint), bound))
-    S, chunk = choose_splits(N, KV, G, max_len, L.sm_count(dev))
+    S, chunk = choose_splits(N, KV, G, max_len, L.sm_count(dev), max_chunk)
     if S > 1:
         part_ml = torch.empty(N, H, S, 2, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(N, H, S, D, dtype=torch.float32, device=q.device)
     else:
         part_ml = part_acc = None
-    fn = L.kernel(_SRC, f"gqa_decode_split_g{GC}", dev)
+    pools = (k_pool, v_pool, k_scale, v_scale) if quant else (k_pool, v_pool)
+    fn = L.kernel(_SRC, f"gqa_decode_split_i8_g{GC}" if quant else f"gqa_decode_split_g{GC}", dev)
     L.launch(fn, (N, KV * (G // GC), S), (_ATT_THREADS,),
-             (out, part_ml, part_acc, q, k_pool, v_pool, page_tables, positions, seq_of_col, gate,
+             (out, part_ml, part_acc, q) + pools + (page_tables, positions, seq_of_col, gate,
               H, KV, D, page_tables.shape[1], chunk, S, np.int64(gs0), np.int64(gs1),
               np.float32(scale * _LOG2E)), device=dev)
     if S > 1:
@@ -225,9 +261,17 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 # Prefill (torch fallback)
 
 
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D] x fp32 [..., D/64] -> bf16 (fp32 product rounded once)."""
+    D = codes.shape[-1]
+    x = codes.float().view(*codes.shape[:-1], D // _KV_GROUP, _KV_GROUP) * scale[..., None]
+    return x.view(codes.shape).to(torch.bfloat16)
+
+
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table_row: torch.Tensor,
                       positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, length: int | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of one sequence's T columns (q [T, H, D] at positions [T]) against its
     paged KV (already written for every position <= max(positions)).
 
@@ -235,9 +279,10 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     runs with an explicit causal mask, the query heads of a kv head folded into the query axis (no
     KV repeat). Returns [T, H, D] bf16, or with `gate` the gated [T, H*D] (reference epilogue).
     `length` (keys to gather) defaults to max(positions) + 1, which reads it on the host: pass it
-    (or use decode_attention) inside a CUDA graph.
+    (or use decode_attention) inside a CUDA graph. int8 pools (with k_scale / v_scale): the gathered
+    codes are dequantised (fp32 code * scale, rounded to bf16) before the attention.
     """
-    KV, D = _pools(k_pool, v_pool)
+    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
     check(q, "q", torch.bfloat16, (None, None, D))
     T, H = q.shape[0], q.shape[1]
     if H % KV:
@@ -249,8 +294,12 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
         length = int(positions.max()) + 1
     pos = torch.arange(length, device=q.device)
     pages = page_table_row.long()[pos // PAGE_SIZE]
-    k = k_pool[pages, pos % PAGE_SIZE].permute(1, 0, 2)                     # [KV, L, D]
-    v = v_pool[pages, pos % PAGE_SIZE].permute(1, 0, 2)
+    offs = pos % PAGE_SIZE
+    k, v = k_pool[pages, offs], v_pool[pages, offs]                         # [L, KV, D]
+    if quant:
+        k = _dequantize(k, k_scale[pages, offs])
+        v = _dequantize(v, v_scale[pages, offs])
+    k, v = k.permute(1, 0, 2), v.permute(1, 0, 2)                          # [KV, L, D]
     qf = q.view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)       # row g*T + t
     mask = pos[None, :] <= positions.long()[:, None]                         # [T, L]
     o = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=mask.repeat(G, 1)[None, None],

@@ -167,37 +167,87 @@ def split_q_gate(qg: Tensor, num_heads: int, head_dim: int) -> tuple[Tensor, Ten
     return q, gate.reshape(qg.shape[0], num_heads * head_dim)
 
 
+# int8 KV: symmetric per (token, kv head, group of KV_INT8_GROUP channels), fp32 scales.
+KV_INT8_GROUP = 64
+KV_INT8_MIN_AMAX = 2.0 ** -100     # groups with a smaller max |x| (zero groups) store codes 0, scale 0
+
+
+def quantize_kv_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., D] (D a multiple of 64) -> (codes int8 [..., D], scale fp32 [..., D / 64]).
+
+    Per group of 64 channels: scale = amax(|x|) / 127 in fp32, code = round-half-even(x / scale)
+    (fp32 IEEE division) clamped to [-127, 127]. A group whose amax is below KV_INT8_MIN_AMAX
+    (all zeros in practice) gets codes 0 and scale 0 (no NaN; dequantises to 0). The CUDA write
+    kernel computes exactly this from the same fp32 values.
+    """
+    D = x.shape[-1]
+    if D % KV_INT8_GROUP:
+        raise ValueError(f"int8 KV needs a head dim that is a multiple of {KV_INT8_GROUP}, got {D}")
+    xf = x.float().reshape(*x.shape[:-1], D // KV_INT8_GROUP, KV_INT8_GROUP)
+    amax = xf.abs().amax(-1)
+    zero = amax < KV_INT8_MIN_AMAX
+    scale = torch.where(zero, torch.zeros_like(amax), amax / 127.0)
+    safe = torch.where(zero, torch.ones_like(scale), scale)
+    q = torch.round(xf / safe[..., None]).clamp_(-127, 127)
+    q = torch.where(zero[..., None], torch.zeros_like(q), q)
+    return q.to(torch.int8).reshape(x.shape), scale
+
+
+def dequantize_kv_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes int8 [..., D] and scale fp32 [..., D / 64] -> code * scale (fp32 product) in `dtype`."""
+    D = q.shape[-1]
+    qf = q.float().reshape(*q.shape[:-1], D // KV_INT8_GROUP, KV_INT8_GROUP)
+    return (qf * scale.float()[..., None]).reshape(q.shape).to(dtype)
+
+
 def paged_kv_write(k_pool: Tensor, v_pool: Tensor, page_table: Tensor, positions: Tensor,
-                   k: Tensor, v: Tensor) -> None:
+                   k: Tensor, v: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
     """Store k/v [T, KV, D] at `positions` [T] of one sequence (in place).
 
     k_pool/v_pool [P, PG, KV, D]; page_table [pages] int32 maps position // PG to a page id.
+    int8 pools take their scale pools k_scale/v_scale [P, PG, KV, D / 64] fp32: k and v are
+    quantised (quantize_kv_int8) and codes and scales stored.
     """
     page_size = k_pool.shape[1]
     pages = page_table.long()[positions // page_size]
     offsets = positions % page_size
-    k_pool[pages, offsets] = k.to(k_pool.dtype)
-    v_pool[pages, offsets] = v.to(v_pool.dtype)
+    if k_scale is None:
+        k_pool[pages, offsets] = k.to(k_pool.dtype)
+    else:
+        qk, sk = quantize_kv_int8(k)
+        k_pool[pages, offsets] = qk
+        k_scale[pages, offsets] = sk
+    if v_scale is None:
+        v_pool[pages, offsets] = v.to(v_pool.dtype)
+    else:
+        qv, sv = quantize_kv_int8(v)
+        v_pool[pages, offsets] = qv
+        v_scale[pages, offsets] = sv
 
 
-def paged_kv_read(pool: Tensor, page_table: Tensor, length: int) -> Tensor:
-    """The first `length` positions of one sequence: [length, KV, D]."""
+def paged_kv_read(pool: Tensor, page_table: Tensor, length: int, scale: Tensor | None = None) -> Tensor:
+    """The first `length` positions of one sequence: [length, KV, D] (int8 pools with their scale
+    pool: dequantised, fp32)."""
     page_size = pool.shape[1]
     pos = torch.arange(length, device=pool.device)
-    return pool[page_table.long()[pos // page_size], pos % page_size]
+    pages, offsets = page_table.long()[pos // page_size], pos % page_size
+    if scale is None:
+        return pool[pages, offsets]
+    return dequantize_kv_int8(pool[pages, offsets], scale[pages, offsets])
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, positions: Tensor,
-                    scale: float) -> Tensor:
+                    scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """Causal GQA attention of one sequence's query columns against its paged KV.
 
     q [T, H, D] at positions [T]; key j is visible to query t when j <= positions[t]. The KV for
     every visible position must already be written. Softmax in fp32, probabilities cast to q's dtype
-    (transformers' eager path). Returns [T, H, D].
+    (transformers' eager path). Returns [T, H, D]. `scale` is the softmax scale; k_scale/v_scale are
+    the scale pools of int8 KV pools (dequantised on read in fp32, then cast to q's dtype).
     """
     length = int(positions.max()) + 1
-    k = paged_kv_read(k_pool, page_table, length).to(q.dtype)       # [L, KV, D]
-    v = paged_kv_read(v_pool, page_table, length).to(q.dtype)
+    k = paged_kv_read(k_pool, page_table, length, k_scale).to(q.dtype)       # [L, KV, D]
+    v = paged_kv_read(v_pool, page_table, length, v_scale).to(q.dtype)
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)

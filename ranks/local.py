@@ -24,10 +24,10 @@ log = logging.getLogger(__name__)
 class LocalGenerator:
     """Generates for one sequence at a time with a model held in this process."""
 
-    def __init__(self, model: HybridModel, prefill_chunk: int = 256):
+    def __init__(self, model: HybridModel, prefill_chunk: int = 256, kv_dtype: str = "bf16"):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.model, self.prefill_chunk = model, prefill_chunk
+        self.model, self.prefill_chunk, self.kv_dtype = model, prefill_chunk, kv_dtype
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -50,7 +50,7 @@ class LocalGenerator:
         budget = min(params.max_new_tokens, room)
         total = len(prompt_ids) + budget
         pages = -(-total // PAGE_SIZE)
-        state = self.model.new_state(num_slots=1, num_pages=pages)
+        state = self.model.new_state(num_slots=1, num_pages=pages, kv_dtype=self.kv_dtype)
         table = torch.arange(pages, dtype=torch.int32)[None]
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         sampler = SeqSampler(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,

@@ -125,10 +125,12 @@ class HybridModel:
                  sum(t.numel() for t in weights.values()) / 1e6)
         return cls(spec, weights)
 
-    def new_state(self, num_slots: int, num_pages: int) -> ModelState:
+    def new_state(self, num_slots: int, num_pages: int, kv_dtype: str | torch.dtype | None = None) -> ModelState:
+        """Decode state; kv_dtype "bf16" / None (KV in the activation dtype) or "int8" (int8 codes
+        with fp32 scales per 64 channels)."""
         state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ModelState(self.spec, num_slots, num_pages, self.dtype, self.device, tp=self.tp,
-                          with_mtp=self.has_mtp, state_dtype=state_dtype)
+                          with_mtp=self.has_mtp, state_dtype=state_dtype, kv_dtype=kv_dtype)
 
     # ----------------------------------------------------------------------------------------------
     # Forward passes
@@ -200,7 +202,7 @@ class HybridModel:
             h = ops.rms_norm(x, self.w[p + "input_layernorm.weight"], s.rms_norm_eps)
             if kind == FULL_ATTENTION:
                 j = self.attn_index[i]
-                y = self._attention(p, h, batch, positions, cos, sin, state.k[j], state.v[j])
+                y = self._attention(p, h, batch, positions, cos, sin, *state.attention_kv(j))
             else:
                 y = self._gated_deltanet(p, h, batch, state, self.gdn_index[i])
             x = x + y
@@ -228,7 +230,7 @@ class HybridModel:
                          self.w["mtp.pre_fc_norm_hidden.weight"], self.w["mtp.fc.weight"], s.rms_norm_eps)
         p = "mtp.layers.0."
         h = ops.rms_norm(x, self.w[p + "input_layernorm.weight"], s.rms_norm_eps)
-        x = x + self._attention(p, h, batch, positions, cos, sin, state.mtp_k, state.mtp_v)
+        x = x + self._attention(p, h, batch, positions, cos, sin, *state.attention_kv(None))
         x = x + self._ffn(p, ops.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], s.rms_norm_eps))
         m = ops.rms_norm(x, self.w["mtp.norm.weight"], s.rms_norm_eps)
         return StepOutput(m, self._logits(m, batch, logits))
@@ -244,7 +246,8 @@ class HybridModel:
     # Mixers and FFN
 
     def _attention(self, p: str, h: Tensor, batch: Batch, positions: Tensor, cos: Tensor, sin: Tensor,
-                   k_pool: Tensor, v_pool: Tensor) -> Tensor:
+                   k_pool: Tensor, v_pool: Tensor, k_scale: Tensor | None = None,
+                   v_scale: Tensor | None = None) -> Tensor:
         s, w, N = self.spec, self.w, h.shape[0]
         H, KV, D = self.num_heads, self.num_kv_heads, s.head_dim
         q, gate = ops.split_q_gate(self._linear(h, w[p + "self_attn.q_proj.weight"]), H, D)   # [N,H,D], [N,H*D]
@@ -255,8 +258,9 @@ class HybridModel:
         out = torch.empty_like(q)
         for b, (lo, hi) in enumerate(batch.bounds):
             table = batch.page_tables[b].to(self.device)
-            ops.paged_kv_write(k_pool, v_pool, table, positions[lo:hi], k[lo:hi], v[lo:hi])
-            out[lo:hi] = ops.paged_attention(q[lo:hi], k_pool, v_pool, table, positions[lo:hi], D ** -0.5)
+            ops.paged_kv_write(k_pool, v_pool, table, positions[lo:hi], k[lo:hi], v[lo:hi], k_scale, v_scale)
+            out[lo:hi] = ops.paged_attention(q[lo:hi], k_pool, v_pool, table, positions[lo:hi], D ** -0.5,
+                                             k_scale=k_scale, v_scale=v_scale)
         o = out.reshape(N, H * D) * torch.sigmoid(gate)
         return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 

@@ -181,7 +181,7 @@ class CudaHybridModel(HybridModel):
         x = self._linear(torch.cat([e, h], dim=-1), w["mtp.fc.weight"])
         p = "mtp.layers.0."
         h = cm.rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        y = self._fast_attention(p, h, db, state.mtp_k, state.mtp_v)
+        y = self._fast_attention(p, h, db, *state.attention_kv(None))
         x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
         y = self._fast_ffn(p, h)
         x, m = cm.add_rms_norm(x, y, w["mtp.norm.weight"], eps)
@@ -231,7 +231,7 @@ class CudaHybridModel(HybridModel):
             p = f"layers.{i}."
             if kind == FULL_ATTENTION:
                 j = self.attn_index[i]
-                y = self._fast_attention(p, h, db, state.k[j], state.v[j])
+                y = self._fast_attention(p, h, db, *state.attention_kv(j))
             else:
                 y = self._fast_gdn(p, h, db, state, self.gdn_index[i], keep_batch, kept)
             x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
@@ -246,7 +246,8 @@ class CudaHybridModel(HybridModel):
             out_logits = self._linear(h, self.head)
         return StepOutput(h, out_logits, kept)
 
-    def _fast_attention(self, p: str, h: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
+    def _fast_attention(self, p: str, h: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
+                        k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
         s, w, N = self.spec, self.w, h.shape[0]
         H, D = self.num_heads, s.head_dim
         qg = self._linear(h, w[p + "self_attn.q_proj.weight"])                # [N, H*2D]
@@ -254,10 +255,10 @@ class CudaHybridModel(HybridModel):
         v = self._linear(h, w[p + "self_attn.v_proj.weight"])
         q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
                                      s.rms_norm_eps, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
-                                     s.rotary_dim, s.rope_theta)
+                                     s.rotary_dim, s.rope_theta, k_scale=k_scale, v_scale=v_scale)
         gate = qg.view(N, H, 2 * D)[..., D:]                                  # per head [q | gate]
         o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col, D ** -0.5,
-                                gate, max_len_hint=db.max_len)               # [N, H*D], gated
+                                gate, max_len_hint=db.max_len, k_scale=k_scale, v_scale=v_scale)  # [N, H*D]
         return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 
     def _fast_gdn(self, p: str, h: Tensor, db: DeviceBatch, state: ModelState, j: int,
@@ -315,7 +316,8 @@ class CudaHybridModel(HybridModel):
         return self._linear(torch.nn.functional.silu(self._linear(x, w_gate)) * self._linear(x, w_up), w_down)
 
     def _attention(self, p: str, h: Tensor, batch: Batch, positions: Tensor, cos: Tensor, sin: Tensor,
-                   k_pool: Tensor, v_pool: Tensor) -> Tensor:
+                   k_pool: Tensor, v_pool: Tensor, k_scale: Tensor | None = None,
+                   v_scale: Tensor | None = None) -> Tensor:
         """Reference-path attention (prefill chunks) with the fused norm/rope/KV-write kernel and
         torch's fused attention per sequence instead of materialised scores."""
         s, w, N = self.spec, self.w, h.shape[0]
@@ -330,12 +332,13 @@ class CudaHybridModel(HybridModel):
         tables = batch.page_tables.to(device=self.device, dtype=torch.int32).contiguous()
         q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
                                      s.rms_norm_eps, pos32, seq_of_col, tables, k_pool, v_pool, s.rotary_dim,
-                                     s.rope_theta)
+                                     s.rope_theta, k_scale=k_scale, v_scale=v_scale)
         gate = qg.view(N, H, 2 * D)[..., D:]
         o = torch.empty(N, H * D, dtype=h.dtype, device=h.device)
         for b, (lo, hi) in enumerate(batch.bounds):
             o[lo:hi] = ca.prefill_attention(q[lo:hi], k_pool, v_pool, tables[b], pos32[lo:hi], D ** -0.5,
-                                            gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b])
+                                            gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b],
+                                            k_scale=k_scale, v_scale=v_scale)
         return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
 
     def _gated_deltanet(self, p: str, h: Tensor, batch: Batch, state: ModelState, j: int) -> Tensor:

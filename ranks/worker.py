@@ -76,7 +76,8 @@ class Worker:
                                          all_reduce_capturable=self.transport.capturable)
         else:
             self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
-        self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages)
+        self.kv_dtype = opts.get("kv_dtype", "bf16")
+        self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
         if self.spec_k and not self.model.has_mtp:
@@ -92,7 +93,7 @@ class Worker:
     def ready(self) -> msg.Ready:
         shard = {k: list(self.model.w[k].shape) for k in ("embed_tokens.weight", "lm_head.weight")
                  if k in self.model.w}
-        runtime = dict(backend=self.backend, weights=self.weight_format)
+        runtime = dict(backend=self.backend, weights=self.weight_format, kv_dtype=self.kv_dtype)
         if self.transport is not None:
             runtime.update(transport=self.transport.name, probe_us=self.transport.probe_us)
         if getattr(self.model, "graphs", None) is not None:

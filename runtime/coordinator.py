@@ -142,6 +142,7 @@ class Coordinator:
                                      threads_per_rank=self._threads_per_rank,
                                      spec_draft_tokens=self.options.spec_draft_tokens,
                                      backend=self.options.backend, weights=self.options.weights,
+                                     kv_dtype=self.options.kv_dtype,
                                      cuda_graphs=self.options.cuda_graphs,
                                      random_weights=self.options.random_weights,
                                      transport=self.options.transport,

@@ -48,6 +48,7 @@ class EngineOptions:
     spec_draft_tokens: int = 0           # MTP speculation: drafts per round, 1..5 (0 = off, the default)
     backend: str = "auto"                # "auto" (CUDA kernels for bfloat16 on cuda), "cuda", "reference"
     weights: str = "bf16"                # weight format on the device: bf16 | fp8 | fp8-block | nvfp4
+    kv_dtype: str = "bf16"               # KV cache: bf16 (the activation dtype) | int8 (+ fp32 scale per 64 channels)
     cuda_graphs: bool = True             # capture decode steps as CUDA graphs (cuda backend)
     random_weights: bool = False         # build random weights on the device from config.json alone
     transport: str = "auto"              # tp > 1 all-reduce on GPUs: auto | mailbox | copies | nccl | cpu
@@ -65,6 +66,8 @@ class EngineOptions:
             raise ValueError(f"transport must be auto, mailbox, copies, nccl or cpu, got {self.transport!r}")
         if self.weights not in ("bf16", "fp8", "fp8-block", "nvfp4"):
             raise ValueError(f"weights must be bf16, fp8, fp8-block or nvfp4, got {self.weights!r}")
+        if self.kv_dtype not in ("bf16", "int8"):
+            raise ValueError(f"kv_dtype must be bf16 or int8, got {self.kv_dtype!r}")
 
 
 @dataclass

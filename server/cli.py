@@ -91,6 +91,9 @@ def add_backend_arguments(p) -> None:
                         "cuda for bfloat16 on a CUDA device)")
     p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4"],
                    help="weight format on the device, quantised on load from a 16-bit checkpoint (cuda backend)")
+    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8"],
+                   help="KV cache format: bf16 (the activation dtype) or int8 (symmetric, one fp32 scale per "
+                        "64 channels of each token and kv head; about half the KV bytes)")
     p.add_argument("--no-cuda-graph", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--transport", default="auto", choices=["auto", "mailbox", "copies", "nccl", "cpu"],
@@ -277,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             model = build_model(model_dir, getattr(torch, args.dtype), args.device, backend=args.backend,
                                 weights=args.weights, cuda_graphs=args.cuda_graphs,
                                 random_weights=args.random_weights)
-            gen = LocalGenerator(model, prefill_chunk=args.prefill_chunk)
+            gen = LocalGenerator(model, prefill_chunk=args.prefill_chunk, kv_dtype=args.kv_dtype)
             for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
                 emit(token)
         else:
@@ -285,6 +288,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
                                     spec_draft_tokens=spec_k, backend=args.backend, weights=args.weights,
+                                    kv_dtype=args.kv_dtype,
                                     cuda_graphs=args.cuda_graphs, random_weights=args.random_weights,
                                     transport=args.transport)
             with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:

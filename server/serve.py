@@ -81,8 +81,8 @@ def serve(args, argv: list[str]) -> int:
                             max_step_tokens=max(args.max_step_tokens, args.max_concurrency), max_context=max_context,
                             kv_capacity=args.kv_capacity, threads_per_rank=args.threads_per_rank,
                             log_level=args.log_level, spec_draft_tokens=spec_k, backend=args.backend,
-                            weights=args.weights, cuda_graphs=args.cuda_graphs, random_weights=args.random_weights,
-                            transport=args.transport)
+                            weights=args.weights, kv_dtype=args.kv_dtype, cuda_graphs=args.cuda_graphs,
+                            random_weights=args.random_weights, transport=args.transport)
     model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")
     try:
         request_log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None

@@ -272,3 +272,146 @@ def test_prefill_attention(shape, seed):
     assert rel(got, ref) <= TOL
     gated = ca.prefill_attention(q, c.k_pool, c.v_pool, c.tables[0], c.positions, scale, gate=gate, length=400)
     assert rel(gated, ref.reshape(N, H * D) * torch.sigmoid(gate.float())) <= TOL
+
+
+# --------------------------------------------------------------------------------------------------
+# int8 KV (codes int8 [P, 64, KV, D] + fp32 scales [P, 64, KV, D/64]; kernels/reference.quantize_kv_int8)
+
+I8_SHAPES = [s for s in SHAPES if SHAPES[s][2] % 64 == 0]
+
+
+def _int8_pools(c: Case):
+    """Garbage int8 pools and scale pools (read past a length shows as large values)."""
+    P, KV, D = c.k_pool.shape[0], c.KV, c.D
+    codes = lambda: torch.randint(-127, 128, (P, 64, KV, D), generator=c.gen, dtype=torch.int8).to(DEV)  # noqa: E731
+    scales = lambda: torch.full((P, 64, KV, D // 64), 1.0e3, dtype=torch.float32).to(DEV)               # noqa: E731
+    c.kq, c.vq, c.ks, c.vs = codes(), codes(), scales(), scales()
+
+
+def _fill_history_int8(c: Case, upto_columns: bool) -> None:
+    for b, n in enumerate(c.lengths):
+        lo, hi = c.bounds[b]
+        end = n if upto_columns else n - (hi - lo)
+        if end == 0:
+            continue
+        p = torch.arange(end, device=DEV, dtype=torch.int32)
+        ops.paged_kv_write(c.kq, c.vq, c.tables[b], p, c.randn(end, c.KV, c.D), c.randn(end, c.KV, c.D), c.ks, c.vs)
+
+
+def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max()) if a.numel() else 0
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shape", I8_SHAPES)
+def test_qk_norm_rope_kv_write_int8(shape, T, seed):
+    """The int8 kernel stores quantize_kv_int8 of exactly what the bf16 kernel stores (k after norm
+    and rope, raw v): codes equal, scales within 1 ulp (expected equal: same fp32 IEEE division);
+    q_out equal to the bf16 kernel's; nothing outside the columns changes."""
+    ca = _ca()
+    c = Case(shape, [1, 63, 64, 65, 1000, 5000] if T == 1 else [4, 63, 64, 65, 130, 5000], T, seed)
+    H, KV, D, R, N = c.H, c.KV, c.D, c.R, c.N
+    _int8_pools(c)
+    _fill_history_int8(c, upto_columns=False)
+    qg = c.randn(N, H * 2 * D, scale=2.0)
+    k, v = c.randn(N, KV * D, scale=2.0), c.randn(N, KV * D)
+    k[0, :64] = 0                                     # a zero group (scale 0, codes 0)
+    qw, kw = c.randn(D, scale=0.2), c.randn(D, scale=0.2)
+    o = c.order
+    args = (qg[o].contiguous(), k[o].contiguous(), v[o].contiguous(), qw, kw, EPS, c.shuffled(c.positions),
+            c.shuffled(c.seq_of_col), c.tables)
+    q_bf = ca.qk_norm_rope_kv_write(*args, c.k_pool, c.v_pool, R, THETA)
+    kq0, vq0, ks0, vs0 = c.kq.clone(), c.vq.clone(), c.ks.clone(), c.vs.clone()
+    q_out = torch.full((N, H, D), float("nan"), dtype=BF, device=DEV)
+    res = ca.qk_norm_rope_kv_write(*args, c.kq, c.vq, R, THETA, q_out=q_out, k_scale=c.ks, v_scale=c.vs)
+    torch.cuda.synchronize()
+    assert res is q_out
+    assert torch.equal(q_out, q_bf)
+    written = torch.zeros(c.k_pool.shape[:2], dtype=torch.bool, device=DEV)
+    for b, (lo, hi) in enumerate(c.bounds):
+        p = c.positions[lo:hi].long()
+        pages, offs = c.tables[b].long()[p // 64], p % 64
+        written[pages, offs] = True
+        for pool, codes, scales in ((c.k_pool, c.kq, c.ks), (c.v_pool, c.vq, c.vs)):
+            want_q, want_s = ops.quantize_kv_int8(pool[pages, offs])
+            assert torch.equal(codes[pages, offs], want_q)
+            assert _ulp_diff(scales[pages, offs], want_s) <= 1
+    for now, before in ((c.kq, kq0), (c.vq, vq0), (c.ks, ks0), (c.vs, vs0)):
+        assert torch.equal(now[~written], before[~written]), "pool entries outside the columns changed"
+    assert not c.ks.isnan().any() and not c.vs.isnan().any()
+
+
+def _run_decode_int8(c: Case, hint, strided_gate: bool = True):
+    ca = _ca()
+    H, D, N = c.H, c.D, c.N
+    qg = c.randn(N, H * 2 * D)
+    q, gate = ops.split_q_gate(qg, H, D)
+    q = q.contiguous()
+    scale = D ** -0.5
+    outs = []
+    for b, (lo, hi) in enumerate(c.bounds):                     # fp32 on the dequantised pools
+        outs.append(ops.paged_attention(q[lo:hi].float(), c.kq, c.vq, c.tables[b], c.positions[lo:hi], scale,
+                                        k_scale=c.ks, v_scale=c.vs))
+    ref = torch.cat(outs).reshape(N, H * D) * torch.sigmoid(gate.float())
+    o = c.order
+    qg_s = qg[o].contiguous()
+    g = qg_s.view(N, H, 2 * D)[..., D:] if strided_gate else qg_s.view(N, H, 2 * D)[..., D:].reshape(N, H * D)
+    out = torch.full((N, H * D), float("nan"), dtype=BF, device=DEV)
+    res = ca.decode_attention(q[o].contiguous(), c.kq, c.vq, c.tables, c.shuffled(c.positions),
+                              c.shuffled(c.seq_of_col), scale, g, out=out, max_len_hint=hint, k_scale=c.ks,
+                              v_scale=c.vs)
+    torch.cuda.synchronize()
+    assert res is out
+    assert not out.isnan().any()
+    err = rel(out, ref[o])
+    assert err <= TOL, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shape", I8_SHAPES)
+def test_decode_attention_int8(shape, T, seed):
+    lengths = [1, 63, 64, 65, 1000, 5000] if T == 1 else [4, 63, 64, 65, 1000, 5000]
+    c = Case(shape, lengths, T, seed)
+    _int8_pools(c)
+    _fill_history_int8(c, upto_columns=True)
+    _run_decode_int8(c, hint=None)
+
+
+@pytest.mark.parametrize("hint", ["exact", "small", "one-split"])
+def test_decode_attention_int8_hints(hint, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 3000, (8,), generator=g).tolist()
+    c = Case("27b", lengths, 4, seed)
+    _int8_pools(c)
+    _fill_history_int8(c, upto_columns=True)
+    _run_decode_int8(c, hint={"exact": max(lengths), "small": 300, "one-split": 1}[hint], strided_gate=False)
+
+
+def test_decode_attention_int8_rejects_mixed_pools(seed):
+    ca = _ca()
+    from kernels.launch import KernelError
+    c = Case("demo", [10], 1, seed)
+    _int8_pools(c)
+    q, gate = c.randn(1, c.H, c.D), c.randn(1, c.H * c.D)
+    with pytest.raises(KernelError):
+        ca.decode_attention(q, c.kq, c.vq, c.tables, c.positions, c.seq_of_col, 1.0, gate)     # no scales
+    with pytest.raises(KernelError):
+        ca.decode_attention(q, c.k_pool, c.v_pool, c.tables, c.positions, c.seq_of_col, 1.0, gate,
+                            k_scale=c.ks, v_scale=c.vs)
+
+
+@pytest.mark.parametrize("shape", ["27b", "h6kv1d64"])
+def test_prefill_attention_int8(shape, seed):
+    ca = _ca()
+    c = Case(shape, [400], 300, seed)
+    _int8_pools(c)
+    _fill_history_int8(c, upto_columns=True)
+    H, D, N = c.H, c.D, c.N
+    q, gate = c.randn(N, H, D), c.randn(N, H * D)
+    scale = D ** -0.5
+    ref = ops.paged_attention(q.float(), c.kq, c.vq, c.tables[0], c.positions, scale, k_scale=c.ks, v_scale=c.vs)
+    got = ca.prefill_attention(q, c.kq, c.vq, c.tables[0], c.positions, scale, k_scale=c.ks, v_scale=c.vs)
+    assert rel(got, ref) <= TOL
+    gated = ca.prefill_attention(q, c.kq, c.vq, c.tables[0], c.positions, scale, gate=gate, length=400,
+                                 k_scale=c.ks, v_scale=c.vs)
+    assert rel(gated, ref.reshape(N, H * D) * torch.sigmoid(gate.float())) <= TOL

@@ -10,7 +10,15 @@
 //                                directly.
 //   gqa_decode_combine           merges the splits of one (column, head) and applies the gate.
 //
-// Layouts: pools [P, 64, KV, D] bf16; page_tables [B, max_pages] int32; positions / seq_of_col [N]
+//   qk_norm_rope_kv_write_i8,    the same over int8 KV pools: codes int8 [P, 64, KV, D] and scales
+//   gqa_decode_split_i8_g<GC>    fp32 [P, 64, KV, D / 64], one per (token, kv head, 64 channels):
+//                                scale = amax|x| / 127, code = rne(x / scale) clamped to +-127 (a
+//                                group with amax < 2^-100 stores codes 0, scale 0). The write
+//                                quantises the bf16-rounded k (after norm + rope) and raw v exactly
+//                                as kernels/reference.quantize_kv_int8; the decode dequantises in
+//                                registers (16-byte loads of 16 codes).
+//
+// Layouts: pools [P, 64, KV, D] bf16 (or int8 + scales); page_tables [B, max_pages] int32; positions / seq_of_col [N]
 // int32. Column n attends to keys 0..positions[n] of sequence seq_of_col[n]. Exponentials are in
 // base 2 (q is pre-scaled by scale * log2(e)); partial maxima are stored in that domain.
 #include "common.cuh"
@@ -57,14 +65,56 @@ __device__ __forceinline__ float gated(float attn, float gate) {
 #define NR_WARPS 8
 #define NR_MAXD 512
 
-extern "C" __global__ void __launch_bounds__(NR_WARPS * 32)
-qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_pool, bf16_t* __restrict__ v_pool,
-                           const bf16_t* __restrict__ qg, const bf16_t* __restrict__ k,
-                           const bf16_t* __restrict__ v, const bf16_t* __restrict__ q_w,
-                           const bf16_t* __restrict__ k_w, const int* __restrict__ positions,
-                           const int* __restrict__ seq_of_col, const int* __restrict__ page_tables,
-                           int H, int KV, int D, int R, int max_pages, i64_t qg_stride, i64_t k_stride,
-                           i64_t v_stride, float eps, float theta) {
+typedef signed char i8_t;
+
+#define KV_I8_GROUP 64
+#define KV_I8_MIN_AMAX 0x1p-100f           // kernels/reference.KV_INT8_MIN_AMAX
+
+// Quantise the 8 values of chunk c (dims [8c, 8c + 8)) of one head row; the 8 consecutive lanes
+// c & ~7 .. c | 7 hold one group of 64 channels (chunk c = lane + 32 i, D % 64 == 0). Every lane
+// of the warp must call it (shuffles); `active` lanes (c < D / 8) store their 8 codes and the
+// group's first lane its scale. amax, scale and codes as kernels/reference.quantize_kv_int8: IEEE
+// fp32 division (the default -prec-div; results are normal or flush to zero on both sides),
+// round-half-even conversion.
+__device__ __forceinline__ void quant_store8(const float* x, bool active, int c, i8_t* __restrict__ codes,
+                                             float* __restrict__ scales) {
+    float a = 0.f;
+    if (active) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e]));
+    }
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 4));
+    if (!active) return;
+    const bool zero = !(a >= KV_I8_MIN_AMAX);
+    const float sc = zero ? 0.f : a / 127.f;
+    unsigned w[2] = {0u, 0u};
+    if (!zero) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            int qv = __float2int_rn(x[e] / sc);
+            qv = min(max(qv, -127), 127);
+            w[e >> 2] |= ((unsigned)qv & 0xffu) << (8 * (e & 3));
+        }
+    }
+    *reinterpret_cast<uint2*>(codes + c * 8) = make_uint2(w[0], w[1]);
+    if ((c & 7) == 0) scales[c >> 3] = sc;
+}
+
+// KV_T bf16_t: the pools hold bf16 (k_scale / v_scale unused); i8_t: int8 codes + fp32 scales.
+template <typename KV_T>
+__device__ __forceinline__ void qk_norm_rope_kv_write(bf16_t* __restrict__ q_out, KV_T* __restrict__ k_pool,
+                                                      KV_T* __restrict__ v_pool, float* __restrict__ k_scale,
+                                                      float* __restrict__ v_scale, const bf16_t* __restrict__ qg,
+                                                      const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+                                                      const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
+                                                      const int* __restrict__ positions,
+                                                      const int* __restrict__ seq_of_col,
+                                                      const int* __restrict__ page_tables, int H, int KV, int D,
+                                                      int R, int max_pages, i64_t qg_stride, i64_t k_stride,
+                                                      i64_t v_stride, float eps, float theta) {
+    constexpr bool I8 = sizeof(KV_T) == 1;
     __shared__ float cos_s[NR_MAXD / 2], sin_s[NR_MAXD / 2];
     __shared__ __align__(16) float row_s[NR_WARPS][NR_MAXD];
 
@@ -94,15 +144,28 @@ qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_po
         if (u >= H + KV) {                      // v: raw copy into the pool
             const int h = u - H - KV;
             const uint4* src = reinterpret_cast<const uint4*>(v + n * v_stride + (i64_t)h * D);
-            uint4* dst = reinterpret_cast<uint4*>(v_pool + (slot + h) * D);
-            for (int c = lane; c < nc; c += 32) dst[c] = src[c];
+            if constexpr (I8) {                 // quantised: chunks lane, lane + 32 (nc <= 64)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int c = lane + 32 * i;
+                    float xv[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+                    if (c < nc) unpack8(src[c], xv);
+                    quant_store8(xv, c < nc, c, v_pool + (slot + h) * D, v_scale + (slot + h) * (D / KV_I8_GROUP));
+                }
+            } else {
+                uint4* dst = reinterpret_cast<uint4*>(v_pool + (slot + h) * D);
+                for (int c = lane; c < nc; c += 32) dst[c] = src[c];
+            }
             continue;
         }
         const bool is_q = u < H;
         const int h = is_q ? u : u - H;
         const bf16_t* src = is_q ? qg + n * qg_stride + (i64_t)h * 2 * D : k + n * k_stride + (i64_t)h * D;
         const bf16_t* w = is_q ? q_w : k_w;
-        bf16_t* dst = is_q ? q_out + ((i64_t)n * H + h) * D : k_pool + (slot + h) * D;
+        bf16_t* dst = is_q ? q_out + ((i64_t)n * H + h) * D
+                           : (I8 ? nullptr : reinterpret_cast<bf16_t*>(k_pool) + (slot + h) * D);
 
         float x[2][8];
         float ss = 0.f;
@@ -137,6 +200,29 @@ qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_po
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int c = lane + 32 * i;
+            if constexpr (I8) {
+                if (!is_q) {                    // k (warp-uniform branch): rope, then quantise
+                    float o[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) o[e] = 0.f;
+                    if (c < nc) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            const int d = c * 8 + e;
+                            if (d < R) {
+                                const bool lo = d < half;
+                                const int j = lo ? d : d - half;
+                                const float partner = lo ? -row[d + half] : row[d - half];
+                                o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
+                            } else {
+                                o[e] = x[i][e];
+                            }
+                        }
+                    }
+                    quant_store8(o, c < nc, c, k_pool + (slot + h) * D, k_scale + (slot + h) * (D / KV_I8_GROUP));
+                    continue;
+                }
+            }
             if (c < nc) {
                 float o[8];
 #pragma unroll
@@ -156,6 +242,31 @@ qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_po
         }
         __syncwarp();                           // row is rewritten by this warp's next head
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NR_WARPS * 32)
+qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_pool, bf16_t* __restrict__ v_pool,
+                           const bf16_t* __restrict__ qg, const bf16_t* __restrict__ k,
+                           const bf16_t* __restrict__ v, const bf16_t* __restrict__ q_w,
+                           const bf16_t* __restrict__ k_w, const int* __restrict__ positions,
+                           const int* __restrict__ seq_of_col, const int* __restrict__ page_tables,
+                           int H, int KV, int D, int R, int max_pages, i64_t qg_stride, i64_t k_stride,
+                           i64_t v_stride, float eps, float theta) {
+    qk_norm_rope_kv_write<bf16_t>(q_out, k_pool, v_pool, nullptr, nullptr, qg, k, v, q_w, k_w, positions, seq_of_col,
+                                  page_tables, H, KV, D, R, max_pages, qg_stride, k_stride, v_stride, eps, theta);
+}
+
+// int8 pools: D % 64 == 0 (checked by the caller). k_scale / v_scale [P, 64, KV, D / 64] fp32.
+extern "C" __global__ void __launch_bounds__(NR_WARPS * 32)
+qk_norm_rope_kv_write_i8(bf16_t* __restrict__ q_out, i8_t* __restrict__ k_pool, i8_t* __restrict__ v_pool,
+                         float* __restrict__ k_scale, float* __restrict__ v_scale, const bf16_t* __restrict__ qg,
+                         const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+                         const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
+                         const int* __restrict__ positions, const int* __restrict__ seq_of_col,
+                         const int* __restrict__ page_tables, int H, int KV, int D, int R, int max_pages,
+                         i64_t qg_stride, i64_t k_stride, i64_t v_stride, float eps, float theta) {
+    qk_norm_rope_kv_write<i8_t>(q_out, k_pool, v_pool, k_scale, v_scale, qg, k, v, q_w, k_w, positions, seq_of_col,
+                                page_tables, H, KV, D, R, max_pages, qg_stride, k_stride, v_stride, eps, theta);
 }
 
 // --------------------------------------------------------------------------------------------------
@@ -386,6 +497,266 @@ ATT_SPLIT_KERNEL(5)
 ATT_SPLIT_KERNEL(6)
 ATT_SPLIT_KERNEL(7)
 ATT_SPLIT_KERNEL(8)
+
+// --------------------------------------------------------------------------------------------------
+// Split attention over int8 pools: the structure of attn_split, with LPK = D / 16 lanes per key row
+// (lane sl of a group owns dims [16 sl, 16 sl + 16), one 16-byte load of 16 codes for K and one for
+// V, plus the fp32 scale of their group of 64 channels). D is 64, 128 or 256; GC <= 4 (16 dims per
+// lane double q and acc registers, GC = 8 would not fit). A lane's 16 dims share one scale, so the
+// K scale multiplies the lane's partial dot product and the V scale the probability:
+//   s = (sum_e q_e c_e) * k_scale,     acc_e += (p * v_scale) * c_e.
+// The splits combine with gqa_decode_combine (part_ml / part_acc as attn_split's).
+
+#define ATT_I8_MAXG 4
+
+__device__ __forceinline__ void unpack_i8x16(const uint4 r, float* f) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) f[4 * i + b] = (float)((int)(w[i] << (24 - 8 * b)) >> 24);   // sign-extend byte b
+    }
+}
+
+template <int GC>
+__device__ __forceinline__ void attn_split_i8(bf16_t* __restrict__ out, float* __restrict__ part_ml,
+                                              float* __restrict__ part_acc, const bf16_t* __restrict__ q,
+                                              const i8_t* __restrict__ k_pool, const i8_t* __restrict__ v_pool,
+                                              const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                              const int* __restrict__ page_tables, const int* __restrict__ positions,
+                                              const int* __restrict__ seq_of_col, const bf16_t* __restrict__ gate,
+                                              int H, int KV, int D, int max_pages, int chunk, int S,
+                                              i64_t gate_s0, i64_t gate_s1, float scale_log2) {
+    __shared__ float red_m[ATT_WARPS][GC], red_l[ATT_WARPS][GC];
+    __shared__ __align__(16) float red_acc[ATT_WARPS / 2][GC][ATT_MAXD];
+
+    const int n = blockIdx.x, s = blockIdx.z;
+    const int G = H / KV, HC = G / GC;
+    const int kvh = blockIdx.y / HC;
+    const int h0 = kvh * G + (blockIdx.y % HC) * GC;
+
+    const int L = positions[n] + 1;
+    const int lo = s * chunk;
+    if (lo >= L) return;                                    // no keys: the combine skips this split
+    const int hi = (s == S - 1) ? L : min(lo + chunk, L);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int LPK = D >> 4, KPW = 32 / LPK;
+    const int lg = lane / LPK, sl = lane - lg * LPK;
+    const int* pt = page_tables + (i64_t)seq_of_col[n] * max_pages;
+    const int NG = D / KV_I8_GROUP;
+    const i64_t row_stride = (i64_t)KV * D;                 // codes between consecutive positions of a page
+    const i64_t col_off = (i64_t)kvh * D + sl * 16;
+    const i64_t srow_stride = (i64_t)KV * NG;               // scales between consecutive positions
+    const i64_t scol_off = (i64_t)kvh * NG + (sl >> 2);     // 4 lanes (64 dims) per group
+
+    float qf[GC][16];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        const uint4* qp = reinterpret_cast<const uint4*>(q + ((i64_t)n * H + h0 + g) * D + sl * 16);
+        unpack8(qp[0], qf[g]);
+        unpack8(qp[1], qf[g] + 8);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) qf[g][e] *= scale_log2;
+    }
+
+    float m[GC], l[GC], acc[GC][16];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        m[g] = ATT_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[g][e] = 0.f;
+    }
+
+    const int per_iter = ATT_WARPS * ATT_U * KPW;
+    for (int base = lo + warp * ATT_U * KPW; base < hi; base += per_iter) {      // warp-uniform
+        uint4 kr[ATT_U], vr[ATT_U];
+        float ks[ATT_U], vs[ATT_U];
+        bool valid[ATT_U];
+#pragma unroll
+        for (int u = 0; u < ATT_U; ++u) {
+            const int j = base + u * KPW + lg;
+            valid[u] = j < hi;
+            if (valid[u]) {
+                const i64_t row = (i64_t)pt[j >> ATT_PAGE_SHIFT] * ATT_PAGE + (j & (ATT_PAGE - 1));
+                kr[u] = *reinterpret_cast<const uint4*>(k_pool + row * row_stride + col_off);
+                vr[u] = *reinterpret_cast<const uint4*>(v_pool + row * row_stride + col_off);
+                ks[u] = k_scale[row * srow_stride + scol_off];
+                vs[u] = v_scale[row * srow_stride + scol_off];
+            } else {
+                kr[u] = make_uint4(0u, 0u, 0u, 0u);
+                vr[u] = make_uint4(0u, 0u, 0u, 0u);
+                ks[u] = 0.f;
+                vs[u] = 0.f;
+            }
+        }
+        float sc[ATT_U][GC];
+#pragma unroll
+        for (int u = 0; u < ATT_U; ++u) {
+            float kf[16];
+            unpack_i8x16(kr[u], kf);
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < 16; ++e) d = fmaf(qf[g][e], kf[e], d);
+                d *= ks[u];
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1)          // LPK <= 16; unrolled (a runtime loop spills at GC 1)
+                    if (o < LPK) d += __shfl_xor_sync(0xffffffffu, d, o);
+                sc[u][g] = valid[u] ? d : ATT_NEG_INF;
+            }
+        }
+        float pv[ATT_U][GC];                                 // p * v_scale of key u for head g
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) mx = fmaxf(mx, sc[u][g]);
+            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
+            const float corr = fast_exp2(m[g] - ms);
+            m[g] = mx;
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < 16; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) {
+                const float p = fast_exp2(sc[u][g] - ms);
+                l[g] += p;
+                pv[u][g] = p * vs[u];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_U; ++u) {
+            float vf[16];
+            unpack_i8x16(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+#pragma unroll
+                for (int e = 0; e < 16; ++e) acc[g][e] = fmaf(pv[u][g], vf[e], acc[g][e]);
+            }
+        }
+    }
+
+    // Merge the lane groups of the warp (same dims, different keys).
+    for (int o = LPK; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mx = fmaxf(m[g], m2);
+            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
+            const float c1 = fast_exp2(m[g] - ms), c2 = fast_exp2(m2 - ms);
+            m[g] = mx;
+            l[g] = l[g] * c1 + l2 * c2;
+#pragma unroll
+            for (int e = 0; e < 16; ++e) {
+                const float a2 = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+                acc[g][e] = acc[g][e] * c1 + a2 * c2;
+            }
+        }
+    }
+
+    // Merge the warps: common max, rescale, then a fixed-order tree over shared memory.
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) red_m[warp][g] = m[g];
+    }
+    __syncthreads();
+    float M[GC];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        float mx = red_m[0][g];
+#pragma unroll
+        for (int w = 1; w < ATT_WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
+        M[g] = mx;                                           // finite: the split has >= 1 key
+        const float c = fast_exp2(m[g] - mx);                // 0 for a warp without keys
+        l[g] *= c;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[g][e] *= c;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) red_l[warp][g] = l[g];
+    }
+    const bool owner = lg == 0;                              // lanes 0..LPK-1 hold the warp's dims
+#pragma unroll
+    for (int width = ATT_WARPS / 2; width >= 1; width >>= 1) {
+        if (warp >= width && warp < 2 * width && owner) {
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                float4* dst = reinterpret_cast<float4*>(&red_acc[warp - width][g][sl * 16]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    dst[i] = make_float4(acc[g][4 * i], acc[g][4 * i + 1], acc[g][4 * i + 2], acc[g][4 * i + 3]);
+            }
+        }
+        __syncthreads();
+        if (warp < width && owner) {
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                const float4* src = reinterpret_cast<const float4*>(&red_acc[warp][g][sl * 16]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 a = src[i];
+                    acc[g][4 * i] += a.x; acc[g][4 * i + 1] += a.y; acc[g][4 * i + 2] += a.z; acc[g][4 * i + 3] += a.w;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (warp != 0 || !owner) return;
+
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        float lsum = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) lsum += red_l[w][g];
+        const int h = h0 + g;
+        if (S == 1) {                                        // single split: gated output directly
+            const float inv = __fdividef(1.f, lsum);
+            const uint4* gp = reinterpret_cast<const uint4*>(gate + n * gate_s0 + h * gate_s1 + sl * 16);
+            uint4* op = reinterpret_cast<uint4*>(out + ((i64_t)n * H + h) * D + sl * 16);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float gf[8], o[8];
+                unpack8(gp[i], gf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = gated(acc[g][8 * i + e] * inv, gf[e]);
+                op[i] = pack8(o);
+            }
+        } else {
+            const i64_t p = ((i64_t)n * H + h) * S + s;
+            if (sl == 0) {
+                part_ml[2 * p] = M[g];
+                part_ml[2 * p + 1] = lsum;
+            }
+            float4* dst = reinterpret_cast<float4*>(part_acc + p * D + sl * 16);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                dst[i] = make_float4(acc[g][4 * i], acc[g][4 * i + 1], acc[g][4 * i + 2], acc[g][4 * i + 3]);
+        }
+    }
+}
+
+#define ATT_SPLIT_I8_KERNEL(GC)                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                     \
+    gqa_decode_split_i8_g##GC(bf16_t* out, float* part_ml, float* part_acc, const bf16_t* q,         \
+                              const i8_t* k_pool, const i8_t* v_pool, const float* k_scale,          \
+                              const float* v_scale, const int* page_tables, const int* positions,    \
+                              const int* seq_of_col, const bf16_t* gate, int H, int KV, int D,       \
+                              int max_pages, int chunk, int S, i64_t gate_s0, i64_t gate_s1,         \
+                              float scale_log2) {                                                    \
+        attn_split_i8<GC>(out, part_ml, part_acc, q, k_pool, v_pool, k_scale, v_scale, page_tables,   \
+                          positions, seq_of_col, gate, H, KV, D, max_pages, chunk, S, gate_s0,       \
+                          gate_s1, scale_log2);                                                      \
+    }
+
+ATT_SPLIT_I8_KERNEL(1)
+ATT_SPLIT_I8_KERNEL(2)
+ATT_SPLIT_I8_KERNEL(3)
+ATT_SPLIT_I8_KERNEL(4)
 
 // --------------------------------------------------------------------------------------------------
 // Combine: grid (N, H), block 64. Thread t handles dims [4t, 4t + 4) (+ 256 per round). Reads only
