@@ -1,8 +1,9 @@
 """CUDA graphs of decode and verification steps.
 
 A step is graphable when every sequence has the same number of columns T (1 for decode, K+1 for
-a speculation round) and the model's all-reduce runs on the stream. Graphs are keyed by
-(batch size B, T, page-table width P rounded up to a power of two, logits mode, state): the
+a speculation round's verification, which keeps its per-column GDN states in the model's shared
+buffers) and the model's all-reduce runs on the stream. Graphs are keyed by (batch size B, T,
+page-table width P rounded up to a power of two, logits mode, state, verification or not): the
 first step of a key runs eagerly with the graph's metadata shapes (loading every kernel the graph
 will launch, creating library handles), the second is
 captured and every later one only copies its metadata (ids, positions, slots, page tables: one
@@ -50,17 +51,18 @@ class GraphRunner:
         self.captures = 0
         self.replays = 0
 
-    def key(self, batch: Batch, state, logits: str) -> tuple | None:
+    def key(self, batch: Batch, state, logits: str, keep: bool = False) -> tuple | None:
         from ranks.model_cuda import pages_needed
         T = batch.columns[0]
         if any(c != T for c in batch.columns):
             return None
-        return (len(batch.columns), T, _pow2(pages_needed(batch)), logits, id(state))
+        return (len(batch.columns), T, _pow2(pages_needed(batch)), logits, id(state), keep)
 
-    def run(self, batch: Batch, state, logits: str) -> StepOutput | None:
+    def run(self, batch: Batch, state, logits: str, keep: bool = False) -> StepOutput | None:
         """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the
-        first time a key is seen; None = not graphable (the caller runs it)."""
-        key = self.key(batch, state, logits)
+        first time a key is seen; None = not graphable (the caller runs it). keep: a verification
+        step (the output's KeptColumns is the template: forward fills in the sequences)."""
+        key = self.key(batch, state, logits, keep)
         if key is None or key in self.failed:
             return None
         cap = self.graphs.get(key)
@@ -71,7 +73,7 @@ class GraphRunner:
                 # invalidates it
                 self.seen.add(key)
                 db = self.model.device_batch(batch, key[2])
-                return self._on_side(lambda: self.model.fast_forward(db, state, logits))
+                return self._on_side(lambda: self._program(db, state, logits, key))
             try:
                 cap = self._capture(key, state, logits)
             except Exception:                        # noqa: BLE001 - a capture failure costs speed, not the step
@@ -84,7 +86,10 @@ class GraphRunner:
         cap.graph.replay()
         cap.replays += 1
         self.replays += 1
-        return StepOutput(cap.out.hidden, cap.out.logits, None)
+        return StepOutput(cap.out.hidden, cap.out.logits, cap.out.kept)
+
+    def _program(self, db, state, logits: str, key: tuple) -> StepOutput:
+        return self.model.fast_forward(db, state, logits, keep_T=key[1] if key[5] else None)
 
     def _on_side(self, fn):
         cur = torch.cuda.current_stream(self.model.device)
@@ -104,7 +109,7 @@ class GraphRunner:
         torch.cuda.synchronize(m.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="relaxed"):
-            out = m.fast_forward(db, state, logits)
+            out = self._program(db, state, logits, key)
         cap = Captured(graph, storage, out)
         self.graphs[key] = cap
         self.captures += 1

@@ -87,6 +87,36 @@ class KeptColumns:
     old_conv: list[list[Tensor]]
     conv_in: list[list[Tensor]]
     states: list[list[Tensor]]
+    # The batched form (the CUDA backend, every kept sequence with T columns; the lists above stay
+    # empty): {"T": T, "old_conv": [j] -> [B, C, K-1], "conv_in": [j] -> [B*T, C],
+    # "states": [j] -> [B*T, HV, DK, DV]}, committed by `commit_batched`.
+    batched: dict | None = None
+
+
+def commit_batched(kept: KeptColumns, state: ModelState, accepted: list[int]) -> None:
+    """HybridModel.commit for the batched form: per GDN layer, one gather of the kept recurrent
+    states (row i*T + a_i) into the slots, and one gather of the conv windows (rows a_i+1 .. a_i+K-1
+    of [old window; x_0 .. x_{T-1}])."""
+    b = kept.batched
+    B, T = len(kept.slots), b["T"]
+    if len(accepted) != B:
+        raise ValueError(f"commit needs one accepted length per kept sequence ({B}), got {len(accepted)}")
+    if any(not 0 <= a < T for a in accepted):
+        raise ValueError(f"accepted lengths {accepted} outside [0, {T})")
+    if not b["states"]:
+        return
+    dev = b["states"][0].device
+    a = torch.tensor(accepted, dtype=torch.long, device=dev)
+    slots = torch.tensor(kept.slots, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev) * T + a
+    for j in range(len(b["states"])):
+        state.recurrent[j].index_copy_(0, slots, b["states"][j].index_select(0, rows).to(state.recurrent[j].dtype))
+        old = b["old_conv"][j]                                     # [B, C, K-1]
+        C, W = old.shape[1], old.shape[2]
+        xs = torch.cat([old.transpose(1, 2), b["conv_in"][j].view(B, T, C).to(old.dtype)], dim=1)   # [B, W+T, C]
+        idx = (a[:, None] + 1 + torch.arange(W, device=dev)[None, :])                               # [B, W]
+        win = torch.gather(xs, 1, idx[:, :, None].expand(B, W, C))                                # [B, W, C]
+        state.conv[j].index_copy_(0, slots, win.transpose(1, 2).contiguous())
 
 
 @dataclass

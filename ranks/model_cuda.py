@@ -16,6 +16,7 @@ conv weights stay 16-bit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +31,7 @@ from kernels import cuda_misc as cm
 from kernels import launch
 from kernels.quant import QuantWeight, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
 from ranks.kvcache import ModelState
-from ranks.model import Batch, HybridModel, KeptColumns, StepOutput
+from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched
 from runtime.config import FULL_ATTENTION, PAGE_SIZE, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class CudaHybridModel(HybridModel):
             self.graphs = GraphRunner(self)
         self._meta_pinned: Tensor | None = None
         self._meta_copied: torch.cuda.Event | None = None
+        self._keep_scratch: list[Tensor] | None = None
 
     # ----------------------------------------------------------------------------------------------
     # Entry points
@@ -154,13 +156,43 @@ class CudaHybridModel(HybridModel):
         if not fast:
             return super().forward(batch, state, logits, keep_columns)
         keep = all(flags)
+        # a verification step where every sequence has T columns keeps its columns in the batched
+        # form (graphable, committed by one gather per layer); mixed column counts keep lists (eager)
+        uniform = all(c == batch.columns[0] for c in batch.columns)
         with torch.cuda.device(self.device_index):
-            if self.graphs is not None and not keep and logits != "all":
-                out = self.graphs.run(batch, state, logits)
-                if out is not None:
-                    return out
-            db = self.device_batch(batch)
-            return self.fast_forward(db, state, logits, batch if keep else None)
+            out = None
+            if self.graphs is not None and logits != "all" and (uniform or not keep):
+                out = self.graphs.run(batch, state, logits, keep=keep)
+            if out is None:
+                db = self.device_batch(batch)
+                if keep and uniform:
+                    out = self.fast_forward(db, state, logits, keep_T=batch.columns[0])
+                else:
+                    return self.fast_forward(db, state, logits, keep_batch=batch if keep else None)
+            if keep:                                  # the template's tensors, this batch's sequences
+                out = StepOutput(out.hidden, out.logits, dataclasses.replace(
+                    out.kept, seqs=list(range(len(batch.columns))), slots=list(batch.slots),
+                    columns=list(batch.columns)))
+            return out
+
+    @torch.inference_mode()
+    def commit(self, kept: KeptColumns, state: ModelState, accepted: list[int]) -> None:
+        if kept.batched is not None:
+            with torch.cuda.device(self.device_index):
+                commit_batched(kept, state, accepted)
+            return
+        super().commit(kept, state, accepted)
+
+    def _keep_buffers(self, N: int) -> list[Tensor]:
+        """Per GDN layer an fp32 [N, HV, DK, DV] buffer for the per-column states of a verification
+        step, shared by every step and graph (only the latest step's are committed); grown, never
+        shrunk (graphs captured with an older buffer keep it alive)."""
+        s = self.spec
+        if self._keep_scratch is None or self._keep_scratch[0].shape[0] < N:
+            n_gdn = len(s.linear_attention_layers)
+            self._keep_scratch = [torch.empty(N, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
+                                              dtype=torch.float32, device=self.device) for _ in range(n_gdn)]
+        return [t[:N] for t in self._keep_scratch]
 
     @torch.inference_mode()
     def mtp_forward(self, batch: Batch, hidden: Tensor, state: ModelState, logits="all") -> StepOutput:
@@ -216,14 +248,20 @@ class CudaHybridModel(HybridModel):
     # The fast program
 
     def fast_forward(self, db: DeviceBatch, state: ModelState, logits="last",
-                     keep_batch: Batch | None = None) -> StepOutput:
+                     keep_batch: Batch | None = None, keep_T: int | None = None) -> StepOutput:
+        """keep_T: a verification step with T columns per sequence, kept in the batched form (its
+        KeptColumns has no sequences yet: forward fills them in); keep_batch: mixed column counts,
+        kept as per-sequence lists."""
         s, w, eps = self.spec, self.w, self.spec.rms_norm_eps
         kept = None
+        n_gdn = len(s.linear_attention_layers)
         if keep_batch is not None:
-            n_gdn = len(s.linear_attention_layers)
             B = len(keep_batch.columns)
             kept = KeptColumns(list(range(B)), list(keep_batch.slots), list(keep_batch.columns),
                                [[] for _ in range(n_gdn)], [[] for _ in range(n_gdn)], [[] for _ in range(n_gdn)])
+        elif keep_T is not None:
+            kept = KeptColumns([], [], [], [], [], [], batched=dict(
+                T=keep_T, old_conv=[], conv_in=[], states=self._keep_buffers(db.N)))
         x = cm.embedding(db.ids, w["embed_tokens.weight"])
         h = cm.rms_norm(x, w["layers.0.input_layernorm.weight"], eps)
         L = s.num_layers
@@ -272,14 +310,20 @@ class CudaHybridModel(HybridModel):
         b = self._linear(h, w[p + "in_proj_b.weight"])
         conv_w = w[p + "conv1d.weight"].view(w[p + "conv1d.weight"].shape[0], -1)
         keep_states = None
-        if keep_batch is not None:
+        if kept is not None and kept.batched is not None:       # device ops only: graphable
+            b = kept.batched
+            keep_states = b["states"][j]
+            old = state.conv[j].index_select(0, db.slots)
+            b["old_conv"].append(old.mul_((1 - db.fresh).to(old.dtype)[:, None, None]))
+            b["conv_in"].append(qkv)
+        elif keep_batch is not None:
             keep_states = torch.empty(N, HV, DK, DV, dtype=torch.float32, device=h.device)
             for i, ((lo, hi), slot, start) in enumerate(zip(keep_batch.bounds, keep_batch.slots, keep_batch.starts)):
                 old = state.conv[j][slot]
                 kept.old_conv[j].append(torch.zeros_like(old) if start == 0 else old.clone())
                 kept.conv_in[j].append(qkv[lo:hi].clone())
                 kept.states[j].append(keep_states[lo:hi])
-        y = cg.conv1d(qkv, conv_w, state.conv[j], db.slots, db.cu_seqlens, db.fresh, update_state=keep_batch is None)
+        y = cg.conv1d(qkv, conv_w, state.conv[j], db.slots, db.cu_seqlens, db.fresh, update_state=keep_states is None)
         o = cg.gated_delta_rule(y, a, b, w[p + "A_log"], w[p + "dt_bias"], state.recurrent[j], db.slots,
                                 db.cu_seqlens, db.fresh, HK, HV, DK, DV, keep_states=keep_states)
         o = cg.gated_rms_norm(o, z, w[p + "norm.weight"], s.rms_norm_eps)

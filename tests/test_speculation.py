@@ -303,6 +303,10 @@ def test_sampled_acceptance_preserves_distribution():
     V = 6
     g = torch.Generator().manual_seed(_seed("spec-chi2"))
     target = torch.randn(V + 1, V, generator=g, dtype=torch.float64) * 1.5     # row V: the prefix state
+    # the runner-up 0.5 below the top: at temperature 0.7 the top token holds at most 1/(1 + e^-0.71)
+    # = 0.67 of the mass, so the drafts (runner-ups) are always inside top-p 0.9 and can be accepted
+    top2 = target.topk(2, dim=-1)
+    target.scatter_(1, top2.indices[:, 1:], top2.values[:, :1] - 0.5)
     s = SeqSampler(temperature=0.7, top_p=0.9)
 
     def logp(prev):                               # normalised (top-p leaves the kept mass unnormalised)
@@ -358,3 +362,42 @@ def test_sampled_speculation_independent_of_tp_and_batch(dense, cases):
         assert a.error is None and b.error is None and len(a.tokens) == 12
         assert a.tokens == b.tokens
         assert a.spec["rounds"] >= 1
+
+
+def test_batched_commit_equals_the_per_sequence_commit(seed):
+    """commit_batched (the CUDA backend's one-gather-per-layer form) installs exactly the state the
+    per-sequence commit does, for every accepted length, fresh windows and shuffled slots (float64)."""
+    from ranks.model import KeptColumns, commit_batched
+    spec = spec_from_hf(tiny_config(False))
+    model = HybridModel(spec, random_weights(spec, seed % 1000, dtype=torch.float64))
+    g = torch.Generator().manual_seed(seed)
+    B, T, pages = 4, 4, 2
+    slots = [3, 0, 2, 1]
+    table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+    st = model.new_state(num_slots=B, num_pages=B * pages)
+    for b in range(B):                                   # different history per sequence
+        n = 3 + 5 * b
+        model.forward(Batch(torch.randint(0, spec.vocab_size, (n,), generator=g), [n], [0], [slots[b]],
+                            table[b:b + 1]), st, logits="none")
+    starts = [3 + 5 * b for b in range(B)]
+    ids = torch.randint(0, spec.vocab_size, (B * T,), generator=g)
+    out = model.forward(Batch(ids, [T] * B, starts, slots, table), st, logits="none", keep_columns=True)
+    k = out.kept
+    batched = dict(T=T, old_conv=[torch.stack(k.old_conv[j]) for j in range(len(k.old_conv))],
+                   conv_in=[torch.cat(k.conv_in[j]) for j in range(len(k.conv_in))],
+                   states=[torch.cat(k.states[j]) for j in range(len(k.states))])
+    for accepted in ([0, 1, 2, 3], [3, 3, 0, 1], [0, 0, 0, 0], [3, 2, 1, 0]):
+        a_state, b_state = (model.new_state(num_slots=B, num_pages=B * pages) for _ in range(2))
+        for s in (a_state, b_state):                    # same starting contents, poisoned elsewhere
+            for j in range(len(s.conv)):
+                s.conv[j].copy_(st.conv[j])
+                s.recurrent[j].copy_(st.recurrent[j])
+        model.commit(k, a_state, accepted)
+        commit_batched(KeptColumns(k.seqs, k.slots, k.columns, [], [], [], batched), b_state, accepted)
+        for j in range(len(a_state.conv)):
+            assert torch.equal(a_state.conv[j], b_state.conv[j]), (accepted, j)
+            assert torch.equal(a_state.recurrent[j], b_state.recurrent[j]), (accepted, j)
+    with pytest.raises(ValueError, match="accepted lengths"):
+        commit_batched(KeptColumns(k.seqs, k.slots, k.columns, [], [], [], batched), st, [0, 1, 2, 4])
+    with pytest.raises(ValueError, match="one accepted length per kept sequence"):
+        commit_batched(KeptColumns(k.seqs, k.slots, k.columns, [], [], [], batched), st, [0, 1])
