@@ -46,6 +46,7 @@ class GraphRunner:
         # cuBLAS set up per-stream state on first use, which must not happen during a capture)
         self.stream = torch.cuda.Stream(device=model.device)
         self.graphs: dict[tuple, Captured] = {}
+        self.state = None                  # the state the graphs write into (kept alive with them)
         self.seen: set[tuple] = set()
         self.failed: set[tuple] = set()
         self.captures = 0
@@ -62,6 +63,13 @@ class GraphRunner:
         """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the
         first time a key is seen; None = not graphable (the caller runs it). keep: a verification
         step (the output's KeptColumns is the template: forward fills in the sequences)."""
+        if state is not self.state:
+            # graphs hold raw pointers into one state's pools and slots: a new state (a new
+            # LocalGenerator request, a test) retires every graph of the old one
+            self.graphs.clear()
+            self.seen.clear()
+            self.failed.clear()
+            self.state = state
         key = self.key(batch, state, logits, keep)
         if key is None or key in self.failed:
             return None

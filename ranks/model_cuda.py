@@ -29,6 +29,7 @@ from kernels import cuda_gdn as cg
 from kernels import cuda_linear as cl
 from kernels import cuda_misc as cm
 from kernels import launch
+from kernels import reference as ops
 from kernels.quant import QuantWeight, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched
@@ -109,6 +110,10 @@ class DeviceBatch:
         return np.concatenate([np.asarray(p).astype(np.int32, copy=False).reshape(-1) for p in parts])
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def pages_needed(batch: Batch) -> int:
     return max((s + c + PAGE_SIZE - 1) // PAGE_SIZE for s, c in zip(batch.starts, batch.columns))
 
@@ -164,7 +169,9 @@ class CudaHybridModel(HybridModel):
             if self.graphs is not None and logits != "all" and (uniform or not keep):
                 out = self.graphs.run(batch, state, logits, keep=keep)
             if out is None:
-                db = self.device_batch(batch)
+                # the same page-table width as a graph of this batch would use: same attention splits,
+                # so eager and replayed steps give the same bits
+                db = self.device_batch(batch, _pow2(pages_needed(batch)))
                 if keep and uniform:
                     out = self.fast_forward(db, state, logits, keep_T=batch.columns[0])
                 else:
@@ -189,10 +196,18 @@ class CudaHybridModel(HybridModel):
         shrunk (graphs captured with an older buffer keep it alive)."""
         s = self.spec
         if self._keep_scratch is None or self._keep_scratch[0].shape[0] < N:
+            size = 1 << max(0, (N - 1).bit_length())            # powers of two: few regrowths
             n_gdn = len(s.linear_attention_layers)
-            self._keep_scratch = [torch.empty(N, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
+            self._keep_scratch = None
+            self._keep_scratch = [torch.empty(size, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
                                               dtype=torch.float32, device=self.device) for _ in range(n_gdn)]
         return [t[:N] for t in self._keep_scratch]
+
+    def reserve_verification(self, columns: int) -> int:
+        """Allocate the per-column GDN state buffers of verification steps up front for `columns`
+        columns (slots x (K+1)), so they are not regrown while graphs hold older ones; returns bytes."""
+        bufs = self._keep_buffers(columns)
+        return sum(t.numel() * t.element_size() for t in self._keep_scratch) if bufs else 0
 
     @torch.inference_mode()
     def mtp_forward(self, batch: Batch, hidden: Tensor, state: ModelState, logits="all") -> StepOutput:
@@ -311,11 +326,11 @@ class CudaHybridModel(HybridModel):
         conv_w = w[p + "conv1d.weight"].view(w[p + "conv1d.weight"].shape[0], -1)
         keep_states = None
         if kept is not None and kept.batched is not None:       # device ops only: graphable
-            b = kept.batched
-            keep_states = b["states"][j]
-            old = state.conv[j].index_select(0, db.slots)
-            b["old_conv"].append(old.mul_((1 - db.fresh).to(old.dtype)[:, None, None]))
-            b["conv_in"].append(qkv)
+            kb = kept.batched
+            keep_states = kb["states"][j]
+            old = state.conv[j].index_select(0, db.slots)      # a fresh sequence's window is zeros
+            kb["old_conv"].append(old.masked_fill_(db.fresh.bool()[:, None, None], 0))
+            kb["conv_in"].append(qkv)
         elif keep_batch is not None:
             keep_states = torch.empty(N, HV, DK, DV, dtype=torch.float32, device=h.device)
             for i, ((lo, hi), slot, start) in enumerate(zip(keep_batch.bounds, keep_batch.slots, keep_batch.starts)):
@@ -411,12 +426,20 @@ class CudaHybridModel(HybridModel):
         return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
 
     def _ffn(self, p: str, h: Tensor) -> Tensor:
-        w = self.w
+        """Reference-path FFN (prefill chunks): dense through the fused gate|up weight; MoE with the
+        reference router and experts (bf16, never quantised) and the shared expert through its fused,
+        possibly quantised weights, as in _fast_ffn."""
+        w, q = self.w, p + "mlp."
         if not self.spec.is_moe:
-            q = p + "mlp."
             mid = self._linear_swiglu(h, w[q + "gate_up_proj.weight"])
             return self.all_reduce(self._linear(mid, w[q + "down_proj.weight"]))
-        return super()._ffn(p, h)
+        wts, ids = ops.moe_route(h, w[q + "gate.weight"], self.spec.num_experts_per_tok)
+        y = ops.moe_experts(h, ids, wts, w[q + "experts.gate_up_proj"], w[q + "experts.down_proj"])
+        if q + "shared_expert.gate_up_proj.weight" in w:
+            sh = self._linear(self._linear_swiglu(h, w[q + "shared_expert.gate_up_proj.weight"]),
+                              w[q + "shared_expert.down_proj.weight"])
+            y = y + torch.sigmoid(self._linear(h, w[q + "shared_expert_gate.weight"])) * sh
+        return self.all_reduce(y)
 
 
 def _fuse_gate_up(weights: dict[str, Tensor]) -> None:

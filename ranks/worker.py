@@ -83,6 +83,10 @@ class Worker:
         if self.spec_k and not self.model.has_mtp:
             raise ValueError(f"speculation (spec_draft_tokens {self.spec_k}) needs MTP weights; "
                              f"{hello.model_dir} has none")
+        self.keep_bytes = 0
+        if self.spec_k and hasattr(self.model, "reserve_verification"):
+            # per-column GDN states of a verification step, for every slot: allocated once, up front
+            self.keep_bytes = self.model.reserve_verification(hello.num_slots * (self.spec_k + 1))
         self.stops: dict[int, frozenset[int]] = {}
         if backend == "cuda":
             from ranks.model_cuda import weight_bytes
@@ -100,7 +104,7 @@ class Worker:
             runtime["cuda_graphs"] = True
         return msg.Ready(rank=self.rank, ok=True, pid=os.getpid(), shard=shard, weight_bytes=self.weight_bytes,
                          runtime=runtime,
-                         state_bytes=self.state.nbytes(), has_mtp=self.model.has_mtp)
+                         state_bytes=self.state.nbytes() + self.keep_bytes, has_mtp=self.model.has_mtp)
 
     def step(self, plan: msg.StepPlan) -> msg.StepResult | None:
         if self.spec_k:
@@ -161,6 +165,8 @@ class Worker:
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
                       torch.from_numpy(plan.page_tables.astype(np.int32)))
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
+        if self.transport is not None:
+            self.transport.check()                      # a peer's hang shows here, not as garbage
         flags = plan.sample.tolist()
         rows = [b for b in range(B) if flags[b]]
         V, gather = self.spec.vocab_size, self.mailbox.all_gather

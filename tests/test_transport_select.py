@@ -82,6 +82,9 @@ def test_auto_falls_back_to_copies_on_every_rank_when_the_mailbox_is_unavailable
         raise RuntimeError("no GPU here")
     monkeypatch.setattr(mc, "CudaMailbox", broken)
 
+    view = Mailbox(gpu_name, 0)
+    view.hang[0] = 2                             # as if a probe had timed out on rank 1
+
     def rank(r):
         mb = Mailbox(cpu_name, r)
         try:
@@ -93,6 +96,8 @@ def test_auto_falls_back_to_copies_on_every_rank_when_the_mailbox_is_unavailable
     out, errors = _both(rank)
     assert errors == [None, None]
     assert out == [("copies", False), ("copies", False)]
+    assert int(view.hang[0]) == 0                # cleared before the first staged exchange
+    view.close()
 
 
 def test_one_rank_failing_sends_both_to_copies(segments, monkeypatch):

@@ -58,24 +58,41 @@ def choose(kind: str, rank: int, tp: int, device: int, cpu_mailbox, gpu_mailbox:
         nc = NcclAllReduce(rank, tp, nccl_init, device=device, timeout_s=max(timeout_s, 60.0))
         nc.warm_up()
         return Transport("nccl", nc.all_reduce, True, close=nc.close)
+    if kind not in ("auto", "mailbox", "copies"):
+        raise ValueError(f"unknown transport {kind!r}: choose auto, mailbox, copies, nccl or cpu")
     if gpu_mailbox is None:
         raise ValueError(f"transport {kind!r} needs the GPU mailbox segment (the coordinator makes one for "
                          "--device cuda with tp > 1)")
     if kind == "copies":
         return _copies(rank, device, gpu_mailbox, timeout_s)
-    # mailbox / auto: set up and probe everywhere, then agree
-    mb, err, us = None, None, float("inf")
+    # mailbox / auto: (1) every rank sets the mailbox up and the ranks vote, (2) only if all succeeded
+    # the collective probe runs and the ranks vote on its time. A rank never waits in an exchange
+    # for a peer that has no mailbox.
+    mb, err = None, None
     try:
         from transport.mailbox_cuda import CudaMailbox
         mb = CudaMailbox(gpu_mailbox, rank, device=device, timeout_s=timeout_s)
-        us = mb.probe()
     except Exception as e:                         # noqa: BLE001 - reported, and the ranks agree below
         err = f"{type(e).__name__}: {e}"
         log.warning("rank %d: GPU mailbox unavailable: %s", rank, err)
-    votes = cpu_mailbox.exchange(np.array([0.0 if err else 1.0, min(us, 1e9)], dtype=np.float32))
-    all_ok = bool(votes[:, 0].min() > 0.5)
-    mean_us = float(votes[:, 1].mean())
+    try:
+        all_ok = bool(cpu_mailbox.exchange(np.array([0.0 if err else 1.0], dtype=np.float32)).min() > 0.5)
+        mean_us = float("inf")
+        if all_ok:
+            try:
+                us = mb.probe()
+            except Exception as e:                 # noqa: BLE001 - a failed probe counts as unusable
+                err, us = f"probe: {type(e).__name__}: {e}", -1.0
+            times = cpu_mailbox.exchange(np.array([us], dtype=np.float32))[:, 0]
+            all_ok = bool(times.min() >= 0)
+            mean_us = float(times.mean()) if all_ok else float("inf")
+    except BaseException:
+        if mb is not None:
+            mb.close()
+        raise
     if kind == "mailbox" and not all_ok:
+        if mb is not None:
+            mb.close()
         raise RuntimeError(f"--transport mailbox: the GPU mailbox could not be set up on every rank "
                            f"(this rank: {err or 'ok'})")
     if all_ok and (kind == "mailbox" or mean_us <= PROBE_LIMIT_US):
@@ -87,10 +104,15 @@ def choose(kind: str, rank: int, tp: int, device: int, cpu_mailbox, gpu_mailbox:
                 "ok" if all_ok else "unavailable", mean_us)
     t = _copies(rank, device, gpu_mailbox, timeout_s)
     t.probe_us = mean_us if all_ok else None
+    # a probe that timed out left the segment's sticky hang word set: clear it (every rank is past
+    # the GPU exchanges now) and let every rank see the cleared word before the first copy exchange
+    if rank == 0:
+        t.notes["segment"].hang[0] = 0
+    cpu_mailbox.barrier()
     return t
 
 
 def _copies(rank: int, device: int, name: str, timeout_s: float) -> Transport:
     from transport.copies import StagedCopies
     sc = StagedCopies(name, rank, device=device, timeout_s=timeout_s)
-    return Transport("copies", sc.all_reduce, False, close=sc.close)
+    return Transport("copies", sc.all_reduce, False, close=sc.close, notes=dict(segment=sc.mb))
