@@ -8,7 +8,9 @@ first step of a key runs eagerly with the graph's metadata shapes (loading every
 will launch, creating library handles), the second is
 captured and every later one only copies its metadata (ids, positions, slots, page tables: one
 int32 buffer) into the graph's static input and replays it: no Python per layer. All graphs share
-one memory pool; their outputs stay valid until the next step of the same key.
+one memory pool; their outputs stay valid until the next step of the same key. At most `max_graphs`
+are kept: capturing one more retires the least recently replayed. Graphs hold raw pointers into
+one ModelState: a step on another state retires them all.
 
 `--no-cuda-graph` (EngineOptions.cuda_graphs = False) runs every step eagerly.
 """
@@ -16,6 +18,7 @@ one memory pool; their outputs stay valid until the next step of the same key.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +48,7 @@ class GraphRunner:
         # warm-up steps and captures run on one side stream (the torch recipe: libraries such as
         # cuBLAS set up per-stream state on first use, which must not happen during a capture)
         self.stream = torch.cuda.Stream(device=model.device)
-        self.graphs: dict[tuple, Captured] = {}
+        self.graphs: OrderedDict[tuple, Captured] = OrderedDict()      # least recently replayed first
         self.state = None                  # the state the graphs write into (kept alive with them)
         self.seen: set[tuple] = set()
         self.failed: set[tuple] = set()
@@ -75,13 +78,15 @@ class GraphRunner:
             return None
         cap = self.graphs.get(key)
         if cap is None:
-            if key not in self.seen or len(self.graphs) >= self.max_graphs:
+            if key not in self.seen:
                 # eager, on the capture stream and with the graph's page-table width: the same kernels
                 # (attention splits included) get loaded now, since loading one during a capture
                 # invalidates it
                 self.seen.add(key)
                 db = self.model.device_batch(batch, key[2])
                 return self._on_side(lambda: self._program(db, state, logits, key))
+            while len(self.graphs) >= self.max_graphs:   # bounded: retire the least recently replayed
+                self.graphs.popitem(last=False)
             try:
                 cap = self._capture(key, state, logits)
             except Exception:                        # noqa: BLE001 - a capture failure costs speed, not the step
@@ -90,6 +95,7 @@ class GraphRunner:
                 self.failed.add(key)
                 torch.cuda.synchronize(self.model.device)
                 return None
+        self.graphs.move_to_end(key)
         self.model.device_batch(batch, key[2], storage=cap.storage)
         cap.graph.replay()
         cap.replays += 1
