@@ -157,6 +157,10 @@ class CudaHybridModel(HybridModel):
     @torch.inference_mode()
     def forward(self, batch: Batch, state: ModelState, logits="last", keep_columns=False) -> StepOutput:
         flags = [keep_columns] * len(batch.columns) if isinstance(keep_columns, bool) else list(keep_columns)
+        if any(flags) and not all(flags) and all(f or c == 1 for f, c in zip(flags, batch.columns)):
+            # a speculation step with some undrafted one-column sequences: keep those too (committing
+            # a = 0 installs exactly their one-column state), so the step stays on the fast path
+            flags = [True] * len(flags)
         fast = max(batch.columns) <= MAX_FAST_COLUMNS and (all(flags) or not any(flags))
         if not fast:
             return super().forward(batch, state, logits, keep_columns)
