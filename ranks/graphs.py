@@ -36,10 +36,6 @@ class Captured:
     replays: int = 0
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 class GraphRunner:
     def __init__(self, model, max_graphs: int = 96):
         self.model = model
@@ -56,11 +52,11 @@ class GraphRunner:
         self.replays = 0
 
     def key(self, batch: Batch, state, logits: str, keep: bool = False) -> tuple | None:
-        from ranks.model_cuda import pages_needed
+        from ranks.model_cuda import pages_needed, pow2
         T = batch.columns[0]
         if any(c != T for c in batch.columns):
             return None
-        return (len(batch.columns), T, _pow2(pages_needed(batch)), logits, id(state), keep)
+        return (len(batch.columns), T, pow2(pages_needed(batch)), logits, id(state), keep)
 
     def run(self, batch: Batch, state, logits: str, keep: bool = False) -> StepOutput | None:
         """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the

@@ -110,7 +110,7 @@ class DeviceBatch:
         return np.concatenate([np.asarray(p).astype(np.int32, copy=False).reshape(-1) for p in parts])
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -175,7 +175,7 @@ class CudaHybridModel(HybridModel):
             if out is None:
                 # the same page-table width as a graph of this batch would use: same attention splits,
                 # so eager and replayed steps give the same bits
-                db = self.device_batch(batch, _pow2(pages_needed(batch)))
+                db = self.device_batch(batch, pow2(pages_needed(batch)))
                 if keep and uniform:
                     out = self.fast_forward(db, state, logits, keep_T=batch.columns[0])
                 else:
@@ -200,7 +200,7 @@ class CudaHybridModel(HybridModel):
         shrunk (graphs captured with an older buffer keep it alive)."""
         s = self.spec
         if self._keep_scratch is None or self._keep_scratch[0].shape[0] < N:
-            size = 1 << max(0, (N - 1).bit_length())            # powers of two: few regrowths
+            size = pow2(N)                                      # powers of two: few regrowths
             n_gdn = len(s.linear_attention_layers)
             self._keep_scratch = None
             self._keep_scratch = [torch.empty(size, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
@@ -236,13 +236,7 @@ class CudaHybridModel(HybridModel):
         x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
         y = self._fast_ffn(p, h)
         x, m = cm.add_rms_norm(x, y, w["mtp.norm.weight"], eps)
-        if logits == "none":
-            out = None
-        elif logits == "last":
-            out = self._linear(m.index_select(0, db.last_cols), self.head)
-        else:
-            out = self._linear(m, self.head)
-        return StepOutput(m, out)
+        return StepOutput(m, self._fast_logits(m, db, logits))
 
     def device_batch(self, batch: Batch, P: int | None = None, storage: Tensor | None = None) -> DeviceBatch:
         """Upload a batch's metadata (one copy through a pinned buffer)."""
@@ -295,39 +289,42 @@ class CudaHybridModel(HybridModel):
             y = self._fast_ffn(p, h)
             nxt = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < L else w["norm.weight"]
             x, h = cm.add_rms_norm(x, y, nxt, eps)
-        if logits == "none":
-            out_logits = None
-        elif logits == "last":
-            out_logits = self._linear(h.index_select(0, db.last_cols), self.head)
-        else:
-            out_logits = self._linear(h, self.head)
-        return StepOutput(h, out_logits, kept)
+        return StepOutput(h, self._fast_logits(h, db, logits), kept)
+
+    def _fast_logits(self, hidden: Tensor, db: DeviceBatch, mode) -> Tensor | None:
+        """Head logits of every column ("all"), of each sequence's last column ("last"), or none."""
+        if mode == "none":
+            return None
+        return self._linear(hidden.index_select(0, db.last_cols) if mode == "last" else hidden, self.head)
 
     def _fast_attention(self, p: str, h: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
                         k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+        q, gate = self._attention_in(p, h, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
+                                     k_scale, v_scale)
+        o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col,
+                                self.spec.head_dim ** -0.5, gate, max_len_hint=db.max_len, k_scale=k_scale,
+                                v_scale=v_scale)                             # [N, H*D], gated
+        return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
+
+    def _attention_in(self, p: str, h: Tensor, positions: Tensor, seq_of_col: Tensor, page_tables: Tensor,
+                      k_pool: Tensor, v_pool: Tensor, k_scale: Tensor | None, v_scale: Tensor | None):
+        """q/k/v projections, q/k norm + partial rope, k and v written to the pools: (q [N, H, D],
+        gate [N, H, D] view of the q projection's per-head [q | gate])."""
         s, w, N = self.spec, self.w, h.shape[0]
         H, D = self.num_heads, s.head_dim
         qg = self._linear(h, w[p + "self_attn.q_proj.weight"])                # [N, H*2D]
         k = self._linear(h, w[p + "self_attn.k_proj.weight"])
         v = self._linear(h, w[p + "self_attn.v_proj.weight"])
         q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
-                                     s.rms_norm_eps, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
+                                     s.rms_norm_eps, positions, seq_of_col, page_tables, k_pool, v_pool,
                                      s.rotary_dim, s.rope_theta, k_scale=k_scale, v_scale=v_scale)
-        gate = qg.view(N, H, 2 * D)[..., D:]                                  # per head [q | gate]
-        o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col, D ** -0.5,
-                                gate, max_len_hint=db.max_len, k_scale=k_scale, v_scale=v_scale)  # [N, H*D]
-        return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
+        return q, qg.view(N, H, 2 * D)[..., D:]
 
     def _fast_gdn(self, p: str, h: Tensor, db: DeviceBatch, state: ModelState, j: int,
                   keep_batch: Batch | None, kept: KeptColumns | None) -> Tensor:
-        s, w, N = self.spec, self.w, h.shape[0]
-        HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
-        p += "linear_attn."
-        qkv = self._linear(h, w[p + "in_proj_qkv.weight"])                     # [N, C]
-        z = self._linear(h, w[p + "in_proj_z.weight"])                          # [N, HV*DV]
-        a = self._linear(h, w[p + "in_proj_a.weight"])
-        b = self._linear(h, w[p + "in_proj_b.weight"])
-        conv_w = w[p + "conv1d.weight"].view(w[p + "conv1d.weight"].shape[0], -1)
+        s, N = self.spec, h.shape[0]
+        HV, DK, DV = self.hv, s.linear_key_head_dim, s.linear_value_head_dim
+        qkv, z, a, b = self._gdn_in(p, h)
         keep_states = None
         if kept is not None and kept.batched is not None:       # device ops only: graphable
             kb = kept.batched
@@ -337,16 +334,33 @@ class CudaHybridModel(HybridModel):
             kb["conv_in"].append(qkv)
         elif keep_batch is not None:
             keep_states = torch.empty(N, HV, DK, DV, dtype=torch.float32, device=h.device)
-            for i, ((lo, hi), slot, start) in enumerate(zip(keep_batch.bounds, keep_batch.slots, keep_batch.starts)):
+            for (lo, hi), slot, start in zip(keep_batch.bounds, keep_batch.slots, keep_batch.starts):
                 old = state.conv[j][slot]
                 kept.old_conv[j].append(torch.zeros_like(old) if start == 0 else old.clone())
                 kept.conv_in[j].append(qkv[lo:hi].clone())
                 kept.states[j].append(keep_states[lo:hi])
-        y = cg.conv1d(qkv, conv_w, state.conv[j], db.slots, db.cu_seqlens, db.fresh, update_state=keep_states is None)
-        o = cg.gated_delta_rule(y, a, b, w[p + "A_log"], w[p + "dt_bias"], state.recurrent[j], db.slots,
-                                db.cu_seqlens, db.fresh, HK, HV, DK, DV, keep_states=keep_states)
-        o = cg.gated_rms_norm(o, z, w[p + "norm.weight"], s.rms_norm_eps)
-        return self.all_reduce(self._linear(o, w[p + "out_proj.weight"]))
+        return self._gdn_out(p, qkv, z, a, b, state, j, db.slots, db.cu_seqlens, db.fresh, keep_states)
+
+    def _gdn_in(self, p: str, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]."""
+        w, q = self.w, p + "linear_attn."
+        return tuple(self._linear(h, w[q + n]) for n in ("in_proj_qkv.weight", "in_proj_z.weight",
+                                                         "in_proj_a.weight", "in_proj_b.weight"))
+
+    def _gdn_out(self, p: str, qkv: Tensor, z: Tensor, a: Tensor, b: Tensor, state: ModelState, j: int,
+                 slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, keep_states: Tensor | None = None,
+                 max_columns: int | None = None) -> Tensor:
+        """Conv, gated delta rule, gated norm and out_proj (+ all-reduce) over every sequence's
+        columns; with keep_states the live state is left alone (verification)."""
+        s, w, q = self.spec, self.w, p + "linear_attn."
+        conv_w = w[q + "conv1d.weight"].view(w[q + "conv1d.weight"].shape[0], -1)
+        y = cg.conv1d(qkv, conv_w, state.conv[j], slots, cu_seqlens, fresh, update_state=keep_states is None,
+                      max_columns=max_columns)
+        o = cg.gated_delta_rule(y, a, b, w[q + "A_log"], w[q + "dt_bias"], state.recurrent[j], slots, cu_seqlens,
+                                fresh, self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
+                                keep_states=keep_states)
+        o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
+        return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
 
     def _fast_ffn(self, p: str, h: Tensor) -> Tensor:
         w = self.w
@@ -357,11 +371,17 @@ class CudaHybridModel(HybridModel):
         router = self._linear(h, w[p + "gate.weight"])
         wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
         y = cm.moe_experts_decode(h, ids, wts, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
-        if p + "shared_expert.gate_up_proj.weight" in w:
-            sh = self._linear(self._linear_swiglu(h, w[p + "shared_expert.gate_up_proj.weight"]),
-                              w[p + "shared_expert.down_proj.weight"])
-            y = y + torch.sigmoid(self._linear(h, w[p + "shared_expert_gate.weight"])) * sh
-        return self.all_reduce(y)
+        return self.all_reduce(self._add_shared_expert(p, h, y))
+
+    def _add_shared_expert(self, q: str, h: Tensor, y: Tensor) -> Tensor:
+        """y + sigmoid(shared_expert_gate h) * shared_expert(h) (through the fused, possibly quantised
+        gate|up weight); y unchanged for a model without a shared expert. q: the "...mlp." prefix."""
+        w = self.w
+        if q + "shared_expert.gate_up_proj.weight" not in w:
+            return y
+        sh = self._linear(self._linear_swiglu(h, w[q + "shared_expert.gate_up_proj.weight"]),
+                          w[q + "shared_expert.down_proj.weight"])
+        return y + torch.sigmoid(self._linear(h, w[q + "shared_expert_gate.weight"])) * sh
 
     # ----------------------------------------------------------------------------------------------
     # Linear layers (kernels for few columns, cuBLAS for many; quantised weights either way)
@@ -383,26 +403,19 @@ class CudaHybridModel(HybridModel):
                    v_scale: Tensor | None = None) -> Tensor:
         """Reference-path attention (prefill chunks) with the fused norm/rope/KV-write kernel and
         torch's fused attention per sequence instead of materialised scores."""
-        s, w, N = self.spec, self.w, h.shape[0]
-        H, D = self.num_heads, s.head_dim
-        qg = self._linear(h, w[p + "self_attn.q_proj.weight"])
-        k = self._linear(h, w[p + "self_attn.k_proj.weight"])
-        v = self._linear(h, w[p + "self_attn.v_proj.weight"])
+        N, H, D = h.shape[0], self.num_heads, self.spec.head_dim
         B = len(batch.columns)
         seq_of_col = torch.repeat_interleave(torch.arange(B, dtype=torch.int32),
                                              torch.tensor(batch.columns)).to(self.device)
         pos32 = positions.to(torch.int32)
         tables = batch.page_tables.to(device=self.device, dtype=torch.int32).contiguous()
-        q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
-                                     s.rms_norm_eps, pos32, seq_of_col, tables, k_pool, v_pool, s.rotary_dim,
-                                     s.rope_theta, k_scale=k_scale, v_scale=v_scale)
-        gate = qg.view(N, H, 2 * D)[..., D:]
+        q, gate = self._attention_in(p, h, pos32, seq_of_col, tables, k_pool, v_pool, k_scale, v_scale)
         o = torch.empty(N, H * D, dtype=h.dtype, device=h.device)
         for b, (lo, hi) in enumerate(batch.bounds):
             o[lo:hi] = ca.prefill_attention(q[lo:hi], k_pool, v_pool, tables[b], pos32[lo:hi], D ** -0.5,
                                             gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b],
                                             k_scale=k_scale, v_scale=v_scale)
-        return self.all_reduce(self._linear(o, w[p + "self_attn.o_proj.weight"]))
+        return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
 
     def _gated_deltanet(self, p: str, h: Tensor, batch: Batch, state: ModelState, j: int) -> Tensor:
         """Reference-path GDN (prefill chunks) on the decode kernels, which take any column count:
@@ -411,39 +424,22 @@ class CudaHybridModel(HybridModel):
         Verification blocks (keep_columns) keep the reference path."""
         if self._keep is not None and any(self._keep):
             return super()._gated_deltanet(p, h, batch, state, j)
-        s, w = self.spec, self.w
-        HK, HV, DK, DV = self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim
-        q = p + "linear_attn."
-        qkv = self._linear(h, w[q + "in_proj_qkv.weight"])
-        z = self._linear(h, w[q + "in_proj_z.weight"])
-        a = self._linear(h, w[q + "in_proj_a.weight"])
-        b = self._linear(h, w[q + "in_proj_b.weight"])
-        conv_w = w[q + "conv1d.weight"].view(w[q + "conv1d.weight"].shape[0], -1)
         B = len(batch.columns)
         meta = torch.tensor([0] + list(np.cumsum(batch.columns)) + list(batch.slots)
                             + [int(st == 0) for st in batch.starts], dtype=torch.int32).to(self.device)
         cu, slots, fresh = meta[:B + 1], meta[B + 1:2 * B + 1], meta[2 * B + 1:]
-        y = cg.conv1d(qkv, conv_w, state.conv[j], slots, cu, fresh, max_columns=max(batch.columns))
-        o = cg.gated_delta_rule(y, a, b, w[q + "A_log"], w[q + "dt_bias"], state.recurrent[j], slots, cu, fresh,
-                                HK, HV, DK, DV)
-        o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
-        return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
+        return self._gdn_out(p, *self._gdn_in(p, h), state, j, slots, cu, fresh, max_columns=max(batch.columns))
 
     def _ffn(self, p: str, h: Tensor) -> Tensor:
         """Reference-path FFN (prefill chunks): dense through the fused gate|up weight; MoE with the
         reference router and experts (bf16, never quantised) and the shared expert through its fused,
         possibly quantised weights, as in _fast_ffn."""
-        w, q = self.w, p + "mlp."
         if not self.spec.is_moe:
-            mid = self._linear_swiglu(h, w[q + "gate_up_proj.weight"])
-            return self.all_reduce(self._linear(mid, w[q + "down_proj.weight"]))
+            return self._fast_ffn(p, h)                   # the dense FFN is the same at any column count
+        w, q = self.w, p + "mlp."
         wts, ids = ops.moe_route(h, w[q + "gate.weight"], self.spec.num_experts_per_tok)
         y = ops.moe_experts(h, ids, wts, w[q + "experts.gate_up_proj"], w[q + "experts.down_proj"])
-        if q + "shared_expert.gate_up_proj.weight" in w:
-            sh = self._linear(self._linear_swiglu(h, w[q + "shared_expert.gate_up_proj.weight"]),
-                              w[q + "shared_expert.down_proj.weight"])
-            y = y + torch.sigmoid(self._linear(h, w[q + "shared_expert_gate.weight"])) * sh
-        return self.all_reduce(y)
+        return self.all_reduce(self._add_shared_expert(q, h, y))
 
 
 def _fuse_gate_up(weights: dict[str, Tensor]) -> None:

@@ -135,32 +135,46 @@ def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 # Synchronous client
 
 
-class Stream:
-    """Deltas of one request (sync). `.result` fills in as it is iterated; `.cancel()` ends it early."""
+class _StreamState:
+    """What a sync and an async stream share: the request's Result and the handling of one message."""
 
-    def __init__(self, client: "ZmqClient", rid: Any, start: dict):
+    def __init__(self, client, rid: Any, start: dict):
         self.id, self.start, self._client = rid, start, client
         self.result = Result(rid)
         self.result._start(start)
         self.done = False
+
+    def _take(self, msg: dict) -> Delta | None:
+        """The delta a message carries (None for a finish or anything else); raises on an error."""
+        kind = msg.get("type")
+        if kind == "delta":
+            d = _delta(msg)
+            self.result._add(d)
+            return d
+        if kind == "finish":
+            self.result._finish(msg)
+            self._end()
+        elif kind == "error":
+            self._end()
+            raise ZmqAPIError(msg)
+        return None
+
+    def _end(self) -> None:
+        self.done = True
+        self._client._queues.pop(self.id, None)
+
+
+class Stream(_StreamState):
+    """Deltas of one request (sync). `.result` fills in as it is iterated; `.cancel()` ends it early."""
 
     def __iter__(self) -> Iterator[Delta]:
         return self
 
     def __next__(self) -> Delta:
         while not self.done:
-            msg = self._client._next(self.id)
-            kind = msg.get("type")
-            if kind == "delta":
-                d = _delta(msg)
-                self.result._add(d)
+            d = self._take(self._client._next(self.id))
+            if d is not None:
                 return d
-            if kind == "finish":
-                self.result._finish(msg)
-                self._end()
-            elif kind == "error":
-                self._end()
-                raise ZmqAPIError(msg)
         raise StopIteration
 
     def cancel(self) -> None:
@@ -173,10 +187,6 @@ class Stream:
         if not self.done:
             self.cancel()
             self._end()
-
-    def _end(self) -> None:
-        self.done = True
-        self._client._queues.pop(self.id, None)
 
     def __enter__(self) -> "Stream":
         return self
@@ -281,32 +291,17 @@ class ZmqClient:
 # asyncio client
 
 
-class AsyncStream:
+class AsyncStream(_StreamState):
     """Deltas of one request (asyncio). `.result` fills in as it is iterated."""
-
-    def __init__(self, client: "AsyncZmqClient", rid: Any, start: dict):
-        self.id, self.start, self._client = rid, start, client
-        self.result = Result(rid)
-        self.result._start(start)
-        self.done = False
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self
 
     async def __anext__(self) -> Delta:
         while not self.done:
-            msg = await self._client._next(self.id)
-            kind = msg.get("type")
-            if kind == "delta":
-                d = _delta(msg)
-                self.result._add(d)
+            d = self._take(await self._client._next(self.id))
+            if d is not None:
                 return d
-            if kind == "finish":
-                self.result._finish(msg)
-                self._end()
-            elif kind == "error":
-                self._end()
-                raise ZmqAPIError(msg)
         raise StopAsyncIteration
 
     async def cancel(self) -> None:
@@ -317,10 +312,6 @@ class AsyncStream:
         if not self.done:
             await self.cancel()
             self._end()
-
-    def _end(self) -> None:
-        self.done = True
-        self._client._queues.pop(self.id, None)
 
     async def __aenter__(self) -> "AsyncStream":
         return self

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kernels import reference as ref
 from kernels.launch import KernelError
+from tests.util import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -46,14 +47,9 @@ def _x(T, I, seed):
     return torch.randn(T, I, device="cuda", generator=_gen(seed + 1)).to(torch.bfloat16)
 
 
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _check(got, want):
     assert not torch.isnan(got).any(), "NaN in the output (unwritten poison?)"
-    assert _rel(got, want) <= 1e-2, _rel(got, want)
+    assert rel(got, want) <= 1e-2, rel(got, want)
 
 
 def _run_linear(kind, O, I, T, seed, residual=False):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference as ref
+from tests.util import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -63,11 +64,6 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     assert a.dtype == b.dtype == BF16
     return (_ordered(a) - _ordered(b)).abs()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,12 +250,12 @@ def test_moe_experts_decode(N, E, X, A, I, seed):
     got = cm.moe_experts_decode(x, ids, weights, gate_up, down, out=_poison((N, E), BF16),
                                 h=_poison((N, A, I), BF16))
     assert not torch.isnan(got).any()
-    err = _rel(got, want)
+    err = rel(got, want)
     print(f"moe_experts_decode N={N} E={E} X={X} A={A} I={I}: rel err {err:.2e}")
     assert err <= 1e-2
     # int64 ids and fp32 weights take the same path
     got64 = cm.moe_experts_decode(x, ids.long(), weights.float(), gate_up, down)
-    assert _rel(got64, want) <= 1e-2
+    assert rel(got64, want) <= 1e-2
 
 
 @pytest.mark.parametrize("N,E,X,A,I", [(100, 2048, 256, 8, 512), (33, 40, 8, 2, 32)], ids=lambda v: str(v))
@@ -269,9 +265,9 @@ def test_moe_experts_prefill(N, E, X, A, I, seed):
     x, ids, weights, gate_up, down = _experts_inputs(N, E, X, A, I, g, ids_dtype=torch.int64)
     want = ref.moe_experts(x, ids, weights, gate_up, down)
     got = cm.moe_experts_prefill(x, ids, weights, gate_up, down, out=_poison((N, E), BF16))
-    assert _rel(got, want) <= 1e-2
+    assert rel(got, want) <= 1e-2
     dec = cm.moe_experts_decode(x, ids, weights, gate_up, down)
-    assert _rel(dec, want) <= 1e-2
+    assert rel(dec, want) <= 1e-2
 
 
 def test_moe_block_with_route(seed):
@@ -284,7 +280,7 @@ def test_moe_block_with_route(seed):
     want = ref.moe_block(x, w_router, A, gate_up, down, None, None)
     w, ids = cm.moe_route(F.linear(x, w_router), A)
     got = cm.moe_experts_decode(x, ids, w, gate_up, down)
-    assert _rel(got, want) <= 1e-2
+    assert rel(got, want) <= 1e-2
 
 
 # --------------------------------------------------------------------------------------------------

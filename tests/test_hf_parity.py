@@ -47,6 +47,7 @@ from ranks.model import Batch, HybridModel  # noqa: E402
 from ranks.weights import Checkpoint, load_weights, write_checkpoint  # noqa: E402
 from runtime.config import load_spec  # noqa: E402
 from tests.conftest import BASE_SEED  # noqa: E402
+from tests.util import rel  # noqa: E402
 
 FP32_TOL = 1e-4          # per-position relative error, ours vs transformers (float32)
 LAYOUT_TOL = 1e-5        # the same weights read from another file layout (only rounding may differ)
@@ -372,11 +373,6 @@ def _row_rel(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1)
 
 
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    a, b = ours.double(), ref.double()
-    return float((a - b).norm() / b.norm())
-
-
 def _worst(errs: torch.Tensor) -> str:
     i = int(errs.argmax())
     return f"max per-position relative error {float(errs[i]):.3e} at position {i} of {errs.numel()}"
@@ -429,7 +425,7 @@ def test_greedy_decode_matches_generate(built: Built, T: int, seed: int):
     logits = model.forward(Batch(ids, [T], [0], [2], table), state, logits="last").logits
     tokens, worst = [], 0.0
     for step in range(NEW_TOKENS):
-        err = _rel(logits[0], gen_out.logits[step][0])
+        err = rel(logits[0], gen_out.logits[step][0])
         worst = max(worst, err)
         assert err < FP32_TOL, (f"{built.cfg.id}, T={T}: step {step} logits differ from generate()'s by "
                                 f"{err:.3e} (tokens so far agree: {tokens == ref_tokens[:step]})")
@@ -473,7 +469,7 @@ def test_both_checkpoint_layouts_load_identically(built: Built, seed: int):
     ids = _prompt(built, 65, seed)
     off = _prefill(HybridModel.from_dir(built.official_dir), ids, seed)
     ref = _prefill(built.ours, ids, seed)
-    err = _rel(off, ref)
+    err = rel(off, ref)
     _note(built.cfg.id, "layouts", err)
     assert err < LAYOUT_TOL, f"official layout vs save_pretrained layout: relative error {err:.3e}"
 
@@ -491,7 +487,7 @@ def test_transformers_loads_official_layout(built: Built, which: str, seed: int)
         assert not info["unexpected_keys"], f"unused tensors: {sorted(info['unexpected_keys'])[:5]}"
     ids = _prompt(built, 65, seed)
     theirs = _hf_logits(model, ids)
-    err = _rel(theirs, _hf_logits(built.hf, ids))
+    err = rel(theirs, _hf_logits(built.hf, ids))
     _note(built.cfg.id, f"hf_official_{which}", err)
     assert err < LAYOUT_TOL, f"transformers {cls.__name__} from the official layout: relative error {err:.3e}"
     # ... and tandem, loading that same directory, agrees with it to parity.
@@ -514,7 +510,7 @@ def test_bf16_drift_report(built: Built, T: int, seed: int):
     ours = _prefill(ours_model, ids, seed)
     assert ours.dtype == torch.bfloat16 and torch.isfinite(ours.float()).all()
     ref16, ref32 = _hf_logits(hf16, ids), _hf_logits(built.hf, ids)
-    ours_err, hf_err, apart = _rel(ours, ref32), _rel(ref16, ref32), _rel(ours, ref16)
+    ours_err, hf_err, apart = rel(ours, ref32), rel(ref16, ref32), rel(ours, ref16)
     _note(built.cfg.id, "bf16_ours_vs_fp32", ours_err)
     _note(built.cfg.id, "bf16_hf_vs_fp32", hf_err)
     _note(built.cfg.id, "bf16_ours_vs_hf_bf16", apart)
@@ -528,6 +524,6 @@ def test_bf16_matches_transformers_eager(built: Built, seed: int):
     round at the same points as tandem's reference ops: expected equal to a few bf16 ulps."""
     ids = _prompt(built, 65, seed)
     ours_model, hf16 = _bf16_pair(built, eager=True)
-    err = _rel(_prefill(ours_model, ids, seed), _hf_logits(hf16, ids))
+    err = rel(_prefill(ours_model, ids, seed), _hf_logits(hf16, ids))
     _note(built.cfg.id, "bf16_ours_vs_hf_eager_bf16", err)
     assert err < BF16_EAGER_TOL, f"{built.cfg.id}: tandem bf16 vs transformers eager bf16: {err:.3e}"

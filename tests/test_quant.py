@@ -6,16 +6,12 @@ import torch
 from kernels.quant import (QuantError, QuantWeight, e2m1_to_float, float_to_e2m1, fp8_to_float,
                            from_fp8_checkpoint, from_modelopt, quantize_fp8_blocks, quantize_fp8_rows,
                            quantize_nvfp4)
+from tests.util import rel
 
 
 def _w(seed, O, I, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(O, I, generator=g) * 0.05).to(dtype)
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_fp8_rows_round_trip(seed):
@@ -33,7 +29,7 @@ def test_fp8_rows_round_trip(seed):
     err = (q.dequantize(torch.float32).double() - wf).abs()
     bound = wf.abs() * 2.0 ** -4 + q.scale.double()[:, None] * 2.0 ** -10
     assert bool((err <= bound).all())
-    assert _rel(q.dequantize(torch.float32), wf) < 0.04
+    assert rel(q.dequantize(torch.float32), wf) < 0.04
     # the row amax maps to 448 exactly
     assert torch.equal(fp8_to_float(q.data).abs().amax(1), torch.full((37,), 448.0))
 
@@ -45,7 +41,7 @@ def test_fp8_blocks_round_trip_and_shapes(seed):
     s = q.scale.double().repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
     ref64 = fp8_to_float(q.data).double() * s
     assert torch.equal(q.dequantize(torch.float32), ref64.float())     # one rounding of the exact product
-    assert _rel(q.dequantize(torch.float32), w) < 0.04
+    assert rel(q.dequantize(torch.float32), w) < 0.04
     err = (ref64 - w.double()).abs()
     assert bool((err <= w.double().abs() * 2.0 ** -4 + s * 2.0 ** -10).all())
 
@@ -78,7 +74,7 @@ def test_nvfp4_round_trip(seed):
     gmax = wf.abs().amax(-1, keepdim=True)
     err = (q.dequantize(torch.float32).double().view(24, 6, 16) - wf).abs()
     assert bool((err <= gmax / 6 * 1.2 + 1e-12).all())
-    assert _rel(q.dequantize(torch.float32), w) < 0.15
+    assert rel(q.dequantize(torch.float32), w) < 0.15
 
 
 def test_nvfp4_nibble_order():

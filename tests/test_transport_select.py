@@ -34,6 +34,21 @@ def _both(fn, tp=2):
     return out, errors
 
 
+def _choose_everywhere(kind, segments):
+    """select.choose on both ranks at once; each rank closes what it chose. -> (transports, errors)."""
+    cpu_name, gpu_name = segments
+
+    def rank(r):
+        mb = Mailbox(cpu_name, r)
+        try:
+            tr = select.choose(kind, r, 2, 0, mb, gpu_name, None)
+            tr.close()
+            return tr
+        finally:
+            mb.close()
+    return _both(rank)
+
+
 @pytest.fixture
 def segments():
     cpu, gpu = create_segment(2, 64), create_segment(2, 64)
@@ -75,34 +90,24 @@ def test_cpu_transport_sums_over_the_cpu_mailbox(segments, seed):
 def test_auto_falls_back_to_copies_on_every_rank_when_the_mailbox_is_unavailable(segments, monkeypatch):
     """Here the GPU mailbox cannot be built (no GPU / CuPy), so both ranks vote 'unavailable' and both
     take staged copies (which touch the GPU only when used)."""
-    cpu_name, gpu_name = segments
     import transport.mailbox_cuda as mc
 
     def broken(*a, **k):
         raise RuntimeError("no GPU here")
     monkeypatch.setattr(mc, "CudaMailbox", broken)
 
-    view = Mailbox(gpu_name, 0)
+    view = Mailbox(segments[1], 0)
     view.hang[0] = 2                             # as if a probe had timed out on rank 1
 
-    def rank(r):
-        mb = Mailbox(cpu_name, r)
-        try:
-            tr = select.choose("auto", r, 2, 0, mb, gpu_name, None)
-            tr.close()
-            return tr.name, tr.capturable
-        finally:
-            mb.close()
-    out, errors = _both(rank)
+    out, errors = _choose_everywhere("auto", segments)
     assert errors == [None, None]
-    assert out == [("copies", False), ("copies", False)]
+    assert [(t.name, t.capturable) for t in out] == [("copies", False), ("copies", False)]
     assert int(view.hang[0]) == 0                # cleared before the first staged exchange
     view.close()
 
 
 def test_one_rank_failing_sends_both_to_copies(segments, monkeypatch):
     """A mailbox that works on rank 0 but not on rank 1: the vote makes both fall back."""
-    cpu_name, gpu_name = segments
     import transport.mailbox_cuda as mc
 
     class Fake:
@@ -120,23 +125,14 @@ def test_one_rank_failing_sends_both_to_copies(segments, monkeypatch):
             Fake.closed.append(self.rank)
     monkeypatch.setattr(mc, "CudaMailbox", Fake)
 
-    def rank(r):
-        mb = Mailbox(cpu_name, r)
-        try:
-            tr = select.choose("auto", r, 2, 0, mb, gpu_name, None)
-            tr.close()
-            return tr.name
-        finally:
-            mb.close()
-    out, errors = _both(rank)
+    out, errors = _choose_everywhere("auto", segments)
     assert errors == [None, None]
-    assert out == ["copies", "copies"]
+    assert [t.name for t in out] == ["copies", "copies"]
     assert Fake.closed == [0]                      # rank 0 released the mailbox it had built
 
 
 @pytest.mark.parametrize("probe_us,want", [(3.0, "mailbox"), (500.0, "copies")])
 def test_auto_follows_the_mean_probe_time(segments, monkeypatch, probe_us, want):
-    cpu_name, gpu_name = segments
     import transport.mailbox_cuda as mc
 
     class Fake:
@@ -156,35 +152,20 @@ def test_auto_follows_the_mean_probe_time(segments, monkeypatch, probe_us, want)
             pass
     monkeypatch.setattr(mc, "CudaMailbox", Fake)
 
-    def rank(r):
-        mb = Mailbox(cpu_name, r)
-        try:
-            tr = select.choose("auto", r, 2, 0, mb, gpu_name, None)
-            tr.close()
-            return tr.name, tr.probe_us
-        finally:
-            mb.close()
-    out, errors = _both(rank)
+    out, errors = _choose_everywhere("auto", segments)
     assert errors == [None, None]
-    assert [o[0] for o in out] == [want, want]
-    assert all(np.isclose(o[1], probe_us) for o in out)
+    assert [t.name for t in out] == [want, want]
+    assert all(np.isclose(t.probe_us, probe_us) for t in out)
 
 
 def test_explicit_mailbox_fails_loudly_when_unavailable(segments, monkeypatch):
-    cpu_name, gpu_name = segments
     import transport.mailbox_cuda as mc
 
     def broken(*a, **k):
         raise RuntimeError("no GPU here")
     monkeypatch.setattr(mc, "CudaMailbox", broken)
 
-    def rank(r):
-        mb = Mailbox(cpu_name, r)
-        try:
-            return select.choose("mailbox", r, 2, 0, mb, gpu_name, None)
-        finally:
-            mb.close()
-    _, errors = _both(rank)
+    _, errors = _choose_everywhere("mailbox", segments)
     for e in errors:
         assert isinstance(e, RuntimeError) and "--transport mailbox" in str(e) and "no GPU here" in str(e)
 
