@@ -69,3 +69,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("ptxas resource usage")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def segment():
+    """make(tp, words) -> a fresh mailbox shared-memory segment, unlinked after the test."""
+    from multiprocessing import resource_tracker
+
+    from transport.mailbox import create_segment
+    made = []
+
+    def make(tp: int, words: int):
+        shm = create_segment(tp, words)
+        made.append(shm)
+        return shm
+
+    yield make
+    for shm in made:
+        shm.close()
+        # attaching a Mailbox (in this process or a spawned child sharing its resource tracker)
+        # unregisters the name, since ranks never unlink: register it again so unlink finds it
+        resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        shm.unlink()

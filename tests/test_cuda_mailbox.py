@@ -19,7 +19,6 @@ The rank functions below run in spawned children, which import this module: keep
 from __future__ import annotations
 
 import multiprocessing as mp
-from multiprocessing import resource_tracker
 import os
 import signal
 import struct
@@ -29,7 +28,7 @@ import traceback
 import numpy as np
 import pytest
 
-from transport.mailbox import _HANG_OFFSET, MailboxHang, create_segment
+from transport.mailbox import _HANG_OFFSET, MailboxHang
 from transport.mailbox_cuda import PERIOD, CudaMailbox, check_start_epoch, next_epoch, piece_elements, pieces
 
 gpu = pytest.mark.gpu
@@ -237,24 +236,6 @@ def _rank_killed(rank: int, name: str, go, timeout_s: float) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures
-
-
-@pytest.fixture
-def segment():
-    made = []
-
-    def make(tp: int, words: int):
-        shm = create_segment(tp, words)
-        made.append(shm)
-        return shm
-
-    yield make
-    for shm in made:
-        shm.close()
-        # spawned children share this process's resource tracker and unregister the name when they
-        # attach: register it again so unlink finds it
-        resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        shm.unlink()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ The rank functions below run in spawned children, which import this module: keep
 from __future__ import annotations
 
 import multiprocessing as mp
-from multiprocessing import resource_tracker
 import os
 import struct
 import time
@@ -160,24 +159,6 @@ def _run(fn, args_per_rank: list[tuple], ctx=None) -> dict[int, object]:
     return out
 
 
-@pytest.fixture
-def segment():
-    made = []
-
-    def make(tp: int, words: int = WORDS):
-        shm = create_segment(tp, words)
-        made.append(shm)
-        return shm
-
-    yield make
-    for shm in made:
-        shm.close()
-        # spawned children share this process's resource tracker and unregister the name when they
-        # attach (Mailbox does, so ranks never unlink it): register again so unlink finds it
-        resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        shm.unlink()
-
-
 # --------------------------------------------------------------------------------------------------
 # Tests
 
@@ -185,7 +166,7 @@ def segment():
 @pytest.mark.parametrize("tp", [2, 3])
 def test_all_reduce_and_all_gather_across_processes(tp, segment, seed, tmp_path):
     import torch
-    shm = segment(tp)
+    shm = segment(tp, WORDS)
     out = _run(_rank_exchanges, [(shm.name, seed, str(tmp_path))] * tp)
     got = [np.load(tmp_path / f"rank{r}.npy") for r in range(tp)]
     for r in range(1, tp):
@@ -216,7 +197,7 @@ def test_all_reduce_and_all_gather_across_processes(tp, segment, seed, tmp_path)
 def test_epochs_keep_alternating_slots_across_the_wrap(segment, seed):
     """Around 2**32 the epoch wraps; consecutive exchanges must still use different slots, or a fast
     rank overwrites the slot a slow peer is still reading (rank 1 reads 50 ms late here)."""
-    shm = segment(2)
+    shm = segment(2, WORDS)
     start = 0xFFFF_FFFF - 5
     out = _run(_rank_wrap, [(shm.name, seed, start, False), (shm.name, seed, start, True)])
     for i in range(8):
@@ -252,7 +233,7 @@ def test_stale_words_are_cleared_at_the_wrap():
 def test_hang_guard_names_the_missing_rank_tp2(segment):
     """Rank 1 is late: rank 0 gives up after its timeout naming rank 1; rank 1, arriving later, finds
     its first exchange complete (rank 0 had written it) and fails on the hang word at the next."""
-    shm = segment(2)
+    shm = segment(2, WORDS)
     ctx = mp.get_context("spawn")
     go = ctx.Event()
     q = ctx.Queue()
@@ -281,7 +262,7 @@ def test_hang_guard_names_the_missing_rank_tp2(segment):
 def test_hang_guard_tp3_one_rank_never_arrives(segment):
     """Rank 2 never starts. Rank 0 (1 s timeout) names rank 2; rank 1 (600 s timeout) fails on the hang
     word, not on its own timeout (the test would not finish otherwise)."""
-    shm = segment(3)
+    shm = segment(3, WORDS)
     ctx = mp.get_context("spawn")
     together = ctx.Barrier(2)
     out = _run(_rank_hang, [(shm.name, 1.0, 3, together), (shm.name, 600.0, 3, together), None], ctx=ctx)

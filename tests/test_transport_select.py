@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import threading
 
-from multiprocessing import resource_tracker
 
 import numpy as np
 import pytest
 import torch
 
 from transport import select
-from transport.mailbox import Mailbox, create_segment
+from transport.mailbox import Mailbox
 
 
 def _both(fn, tp=2):
@@ -50,15 +49,9 @@ def _choose_everywhere(kind, segments):
 
 
 @pytest.fixture
-def segments():
-    cpu, gpu = create_segment(2, 64), create_segment(2, 64)
-    yield cpu.name, gpu.name
-    for s in (cpu, gpu):
-        s.close()
-        # attaching a Mailbox in this process unregisters the name from the resource tracker (ranks
-        # never unlink): register it again so unlink leaves the tracker consistent
-        resource_tracker.register(s._name, "shared_memory")  # type: ignore[attr-defined]
-        s.unlink()
+def segments(segment):
+    """(CPU mailbox segment, GPU mailbox segment) names for two ranks."""
+    return segment(2, 64).name, segment(2, 64).name
 
 
 def test_tp1_is_the_identity():
