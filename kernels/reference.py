@@ -186,7 +186,9 @@ def quantize_kv_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     xf = x.float().reshape(*x.shape[:-1], D // KV_INT8_GROUP, KV_INT8_GROUP)
     amax = xf.abs().amax(-1)
     zero = amax < KV_INT8_MIN_AMAX
-    scale = torch.where(zero, torch.zeros_like(amax), amax / 127.0)
+    # A tensor divisor, not a Python float: torch's CUDA division by a CPU scalar multiplies by the
+    # reciprocal, which is 1 ulp off IEEE division for some amax and then moves codes.
+    scale = torch.where(zero, torch.zeros_like(amax), amax / torch.full_like(amax, 127.0))
     safe = torch.where(zero, torch.ones_like(scale), scale)
     q = torch.round(xf / safe[..., None]).clamp_(-127, 127)
     q = torch.where(zero[..., None], torch.zeros_like(q), q)
