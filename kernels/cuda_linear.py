@@ -1,8 +1,9 @@
 """Decode linear layers on the GPU: y[T, O] = x[T, I] @ W[O, I]^T, bf16 or quantised weights.
 
-T <= 16 runs the GEMV kernels of kernels/cuda/gemv.cu (weights dequantised in registers, each weight
-byte read once for all T columns). T > 16 (prefill) dequantises row slabs into a bf16 scratch with a
-kernel and calls torch.matmul (cuBLAS). Everything launches on torch's current stream without host
+Few columns run the GEMV kernels of kernels/cuda/gemv.cu (weights dequantised in registers, each
+weight byte read once for all the columns of a launch): bf16 up to GEMV_COLUMNS["bf16"], quantised
+weights up to 64 columns (the tensor-core kernels take 32 per launch). More columns (prefill)
+dequantise row slabs into a bf16 scratch with a kernel and call torch.matmul (cuBLAS). Everything launches on torch's current stream without host
 syncs, so it captures into CUDA graphs.
 
     linear(x, w, out=None, residual=None)   w: bf16 [O, I] tensor or QuantWeight
@@ -20,22 +21,25 @@ import torch.nn.functional as F
 from . import launch as L
 from .quant import QuantWeight
 
-MAX_GEMV_COLUMNS = 16                  # what the GEMV kernels are instantiated for
-# Per weight kind, the most columns routed to the GEMV kernels; beyond it bf16 goes to cuBLAS and
-# quantised weights are dequantised in slabs for cuBLAS. Chosen from scripts/bench/linear.py on an
-# H200 (docs/perf.md): the CUDA-core GEMV beats cuBLAS for bf16 only at T <= 2 (it is FMA-bound
-# beyond); quantised weights stay on the GEMV (a dequantised copy would cost more than the FMAs).
-GEMV_COLUMNS = {"bf16": 2, "fp8_row": 16, "fp8_block": 16, "nvfp4": 16}
+MAX_GEMV_COLUMNS = 16                  # columns per launch of the CUDA-core GEMV kernels
+# Per weight kind, the most columns routed to the GEMV kernels (in launches of up to 16 or 32
+# columns); beyond it bf16 goes to cuBLAS and quantised weights are dequantised in slabs for cuBLAS.
+# From scripts/bench/linear.py and decode.py on an H200 (docs/perf.md): the CUDA-core GEMV beats
+# cuBLAS for bf16 only at T <= 2 (it is FMA-bound beyond); a dequantised copy of a quantised weight
+# costs ~5x its bytes per step, so quantised weights stay on the (tensor-core) GEMV up to 64 columns.
+GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
 WARPS = 8
 ROWS_PER_WARP = 2
 _NT_BUCKETS = (1, 2, 4, 8, 16)
 _KIND_TAG = {"bf16": "bf16", "fp8_row": "fp8row", "fp8_block": "fp8blk", "nvfp4": "nvfp4"}
 _EPC = {"bf16": 8, "fp8_row": 16, "fp8_block": 16, "nvfp4": 32, "nvfp4h": 16}
 _DEQUANT_KIND = {"fp8_row": 1, "fp8_block": 2, "nvfp4": 3}
-# Quantised kinds whose T <= TC_MAX_COLUMNS decode GEMV runs on tensor cores (gemv_*_tc: mma.sync bf16, sm_80+;
-# every target of kernels/launch.py is sm_80 or newer). nvfp4 with I % 32 == 16 keeps the CUDA-core path.
+# Quantised kinds whose decode GEMV runs on tensor cores (gemv_*_tc, _tc16, _tc32: mma.sync bf16, sm_80+;
+# every target of kernels/launch.py is sm_80 or newer), up to TC_MAX_COLUMNS columns per launch.
+# nvfp4 with I % 32 == 16 keeps the CUDA-core path.
 _TC_KINDS = ("fp8_row", "fp8_block", "nvfp4")
-TC_MAX_COLUMNS = 8
+TC_MAX_COLUMNS = 32
+_TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 
 
@@ -53,13 +57,16 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     A unit is two weight rows (gate row f and up row F+f for SwiGLU); a block of 8 warps covers
     8/ks units, ks warps splitting I. ks is the smallest of 1, 2, 4, 8 that gives >= 4 blocks per SM
     (so small-O layers still fill the GPU), capped so that each of the ks warps gets at least one
-    16-byte chunk per lane (ks * 32 <= chunks per row). T > 16 routes to dequantise + cuBLAS.
+    16-byte chunk per lane (ks * 32 <= chunks per row). More than GEMV_COLUMNS[kind] columns route to
+    dequantise + cuBLAS; between launch_columns() and that, the GEMV runs in launches of
+    launch_columns() columns (this plan is then the one of a full launch).
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
-    if T > min(MAX_GEMV_COLUMNS, GEMV_COLUMNS[kind]):
+    if T > GEMV_COLUMNS[kind]:
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
+    T = min(T, launch_columns(kind, I))
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
     if ekind in _TC_KINDS and T <= TC_MAX_COLUMNS:
         r = _route_tc(O, I, T, ekind, sm_count, swiglu)
@@ -87,11 +94,18 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
             "T": T}
 
 
+def launch_columns(kind: str, I: int) -> int:
+    """The most columns one GEMV launch takes for this weight kind and in_features."""
+    if kind in _TC_KINDS and not (kind == "nvfp4" and I % 32) and TC_MAX_COLUMNS >= 8:
+        return TC_MAX_COLUMNS
+    return MAX_GEMV_COLUMNS
+
+
 def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
     """Tensor-core GEMV (gemv_*_tc, gemv.cu): a warp owns a tile of 16 rows (SwiGLU: 8 gate rows and
-    their 8 up rows) and steps through I 64 bytes of each row at a time (4 lanes x 16 bytes); ks warps
-    of a block split the steps. Same ks rule as route(): the smallest giving >= 4 blocks per SM, capped
-    so that each of the ks warps gets at least one step."""
+    their 8 up rows) times 1, 2 or 4 tiles of 8 columns, and steps through I 64 bytes of each row at
+    a time (4 lanes x 16 bytes); ks warps of a block split the steps. Same ks rule as route(): the
+    smallest giving >= 4 blocks per SM, capped so that each of the ks warps gets at least one step."""
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     steps = -(-(I // _EPC[kind]) // 4)
     ks_cap = 1
@@ -105,7 +119,8 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
             ks = cand
             break
     blocks = -(-tiles // (WARPS // ks))
-    return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc", "nt": TC_MAX_COLUMNS, "ks": ks,
+    nb = next(n for n in _TC_TILES if 8 * n >= T)
+    return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}", "nt": 8 * nb, "ks": ks,
             "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T}
 
 
@@ -185,13 +200,17 @@ def _gemv(x, w, out, residual, swiglu: bool):
     kind, O, I, data, scale, gscale, sb = _check_weight(w, "w")
     dev = data.device
     T = _check_x(x, I, dev)
-    r = route(O, I, T, kind, L.sm_count(L.device_of(x)), swiglu=swiglu)
-    fn = L.kernel("gemv", r["kernel"], L.device_of(x))
     mode = 2 if swiglu else (1 if residual is not None else 0)
     Fh = O // 2 if swiglu else 0
-    L.launch(fn, r["grid"], r["block"],
-             (out, x, data, scale, gscale, residual, O, I, T, r["ks"], mode, Fh, sb),
-             device=L.device_of(x))
+    step = launch_columns(kind, I)
+    for a in range(0, T, step):                       # columns in launches of up to `step`
+        b = min(T, a + step)
+        r = route(O, I, b - a, kind, L.sm_count(L.device_of(x)), swiglu=swiglu)
+        fn = L.kernel("gemv", r["kernel"], L.device_of(x))
+        L.launch(fn, r["grid"], r["block"],
+                 (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
+                  O, I, b - a, r["ks"], mode, Fh, sb),
+                 device=L.device_of(x))
     return out
 
 
@@ -263,7 +282,7 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
     out = _out(out, (T, O), dev)
     if residual is not None:
         residual = _out(residual, (T, O), dev, "residual")
-    if T <= min(MAX_GEMV_COLUMNS, GEMV_COLUMNS[_kind_of(w)]):
+    if T <= GEMV_COLUMNS[_kind_of(w)]:
         return _gemv(x, w, out, residual, swiglu=False)
     y = _prefill(x, w)
     if residual is not None:
@@ -292,7 +311,7 @@ def linear_swiglu(x: torch.Tensor, w_gate_up, out: torch.Tensor | None = None) -
     dev = w_gate_up.data.device if isinstance(w_gate_up, QuantWeight) else w_gate_up.device
     T = _check_x(x, I, dev)
     out = _out(out, (T, Fh), dev)
-    if T <= min(MAX_GEMV_COLUMNS, GEMV_COLUMNS[_kind_of(w_gate_up)]):
+    if T <= GEMV_COLUMNS[_kind_of(w_gate_up)]:
         return _gemv(x, w_gate_up, out, None, swiglu=True)
     y = _prefill(x, w_gate_up)
     gate, up = y[:, :Fh], y[:, Fh:]

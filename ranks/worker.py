@@ -80,6 +80,8 @@ class Worker:
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
+        self._phases = np.zeros(5)                       # host seconds per speculation phase, summed
+        self._phase_rounds = 0
         if self.spec_k and not self.model.has_mtp:
             raise ValueError(f"speculation (spec_draft_tokens {self.spec_k}) needs MTP weights; "
                              f"{hello.model_dir} has none")
@@ -165,6 +167,7 @@ class Worker:
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
                       torch.from_numpy(plan.page_tables.astype(np.int32)))
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
+        t_fwd = time.perf_counter()
         if self.transport is not None:
             self.transport.check()                      # a peer's hang shows here, not as garbage
         flags = plan.sample.tolist()
@@ -229,13 +232,16 @@ class Worker:
                 if t in stops:
                     accepted[b] = accepted[b][:i + 1]
                     break
+        t_acc = time.perf_counter()
         if out.kept is not None:
             self.model.commit(out.kept, self.state, [len(accepted.get(b, [0])) - 1 for b in out.kept.seqs])
+        t_commit = time.perf_counter()
         for b in drafted:                                       # accepted drafts join the penalty counts
             a = len(accepted[b]) - 1
             if a:
                 self.samplers[seq_ids[b]].observe(accepted[b][:a], starts[b] + columns[b] - ndraft[b])
         drafts = self._draft(out.hidden, batch, bounds, tokens, ndraft, next_tok, kv_tokens, rows, accepted)
+        self._time_phases(t0, t_fwd, t_acc, t_commit, time.perf_counter())
         for sid in plan.finished:
             self.samplers.pop(int(sid), None)
             self.stops.pop(int(sid), None)
@@ -247,6 +253,20 @@ class Worker:
                               counts=np.array([len(accepted[b]) for b in rows], dtype=np.int32),
                               drafts=np.array([drafts[b] for b in rows], dtype=np.int64).reshape(len(rows), self.spec_k),
                               elapsed_s=time.perf_counter() - t0)
+
+    def _time_phases(self, *marks: float) -> None:
+        """Where a speculation round's host time goes, logged at DEBUG every 32 rounds: the verification
+        call (its host cost: small when replayed as a graph), waiting for and accepting its results,
+        the GDN commit call, and drafting (MTP steps with their argmax syncs)."""
+        self._phases[:4] += np.diff(marks)
+        self._phases[4] += marks[-1] - marks[0]
+        self._phase_rounds += 1
+        if self._phase_rounds == 32:
+            ms = self._phases / self._phase_rounds * 1e3
+            log.debug("rank %d: speculation round %.2f ms on the host (mean of 32): verification call %.2f, "
+                      "accept %.2f, commit %.2f, drafting %.2f", self.rank, ms[4], *ms[:4])
+            self._phases[:] = 0
+            self._phase_rounds = 0
 
     def _draft(self, hidden, batch: Batch, bounds, tokens, ndraft, next_tok, kv_tokens, rows, accepted) -> dict:
         """MTP pass 1 over each sequence's accepted columns (ids shifted left by one, the last = the

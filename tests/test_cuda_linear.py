@@ -23,10 +23,11 @@ LM_HEAD = [(248320, 5120), (248320, 2048)]
 
 @pytest.fixture(autouse=True)
 def every_column_count_on_the_gemv(monkeypatch):
-    """The kernels are tested at every T they are built for (1..16), whatever the route table sends
-    to cuBLAS in production; test_routes_to_cublas covers the other side."""
+    """The kernels are tested at every T they are built for (bf16 1..16, quantised 1..64 in launches
+    of up to 32), whatever the route table sends to cuBLAS in production; test_routes_to_cublas
+    covers the other side."""
     from kernels import cuda_linear
-    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", {k: cuda_linear.MAX_GEMV_COLUMNS for k in cuda_linear.GEMV_COLUMNS})
+    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=cuda_linear.MAX_GEMV_COLUMNS))
 
 
 def _gen(seed):
@@ -71,7 +72,7 @@ def _run_linear(kind, O, I, T, seed, residual=False):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("O,I", SHAPES_27B + SHAPES_35B)
 def test_model_shapes(kind, O, I, seed):
-    for T in (1, 5):
+    for T in (1, 5) if kind == "bf16" else (1, 5, 13, 32):
         _run_linear(kind, O, I, T, seed + T)
 
 
@@ -85,13 +86,13 @@ def test_lm_head(kind, O, I, seed):
 @pytest.mark.parametrize("O", (1, 3, 77))
 @pytest.mark.parametrize("I", (16, 48, 64, 1040, 1056))
 def test_odd_shapes(kind, O, I, seed):
-    for T in (1, 2, 3, 5, 8, 16):
+    for T in (1, 2, 3, 5, 8, 16) if kind == "bf16" else (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64):
         _run_linear(kind, O, I, T, seed + T)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_residual(kind, seed):
-    for O, I, T in ((5120, 6144, 1), (77, 1040, 3), (2048, 4096, 16)):
+    for O, I, T in ((5120, 6144, 1), (77, 1040, 3), (2048, 4096, 16), (2048, 4096, 24), (300, 512, 40)):
         _run_linear(kind, O, I, T, seed + T, residual=True)
 
 
@@ -113,7 +114,8 @@ def _swiglu_want(x, wf):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("O,I,T", [(34816, 5120, 1), (34816, 5120, 4), (1024, 2048, 16), (6, 48, 3),
-                                   (154, 1040, 5), (2, 64, 1), (300, 512, 17)])
+                                   (154, 1040, 5), (2, 64, 1), (300, 512, 17), (34816, 5120, 24),
+                                   (1024, 2048, 40), (154, 1040, 65)])
 def test_swiglu(kind, O, I, T, seed):
     from kernels.cuda_linear import linear_swiglu
     w, wf = _weight(kind, O, I, seed)
@@ -138,7 +140,7 @@ def test_routes_to_cublas(T, seed, monkeypatch):
 def test_prefill(kind, seed, monkeypatch):
     from kernels import cuda_linear
     monkeypatch.setattr(cuda_linear, "PREFILL_SLAB_ELEMS", 128 * 512)     # several slabs
-    for O, I, T in ((300, 512, 17), (1000, 512, 40)):
+    for O, I, T in ((300, 512, 17), (1000, 512, 40), (1000, 512, 65)):
         _run_linear(kind, O, I, T, seed + T)
         _run_linear(kind, O, I, T, seed + T + 1, residual=True)
 

@@ -20,6 +20,8 @@ Payloads larger than a slot go in pieces of `piece_elements(words)` (one epoch e
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -31,6 +33,9 @@ MAX_TP = 8                           # MB_MAX_TP in exchange.cu
 BLOCKS_PER_SM = 2                    # grid cap: every block resident (the kernel allows 4 at 64 registers)
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x01, 0x02
 PROBE_BYTES = 4096
+# Kernel tuning flags (MB_FLAG_* in exchange.cu): 1 system fence after publishing, 2 only lane 0 of a warp
+# polls the hang word. TANDEM_MAILBOX_FLAGS overrides (benchmarks).
+FLAGS = 0
 
 
 def next_epoch(e: int) -> int:
@@ -96,12 +101,13 @@ class CudaMailbox:
                     self._ptr = int(cupy.cuda.runtime.pointerGetAttributes(host).devicePointer) or host
                 except Exception:                        # measured: the host address is the device address
                     self._ptr = host
-            self._fn = launch.kernel("exchange", "mailbox_exchange", self.device)
+            self._kernel = launch.kernel
             self._launch = launch.launch
             self.max_blocks = BLOCKS_PER_SM * launch.sm_count(self.device)
             self.state = torch.tensor(np.array([epoch, 0], dtype=np.uint32).view(np.int32),
                                       device=f"cuda:{self.device}")
             self._timeout_ns = np.uint64(int(timeout_s * 1e9))
+            self.flags = int(os.environ.get("TANDEM_MAILBOX_FLAGS", FLAGS))
         except BaseException:
             self.close()
             raise
@@ -220,4 +226,5 @@ class CudaMailbox:
                 np.int32(self.rank), np.int32(self.tp), np.int64(self.words), np.int32(n),
                 np.int32(src.dtype == torch.float32), np.int32(dst.dtype == torch.float32),
                 np.int32(gather), np.int64(out_stride), self._timeout_ns)
-        self._launch(self._fn, (blocks,), (THREADS,), args, device=self.device)
+        fn = self._kernel("exchange", f"mailbox_exchange_f{self.flags & 3}", self.device)
+        self._launch(fn, (blocks,), (THREADS,), args, device=self.device)

@@ -43,6 +43,9 @@ typedef unsigned long long u64_t;
 #define MB_HEADER_WORDS 8          // 64 bytes
 #define MB_HANG_WORD 3             // byte offset 24
 #define MB_PERIOD 0xFFFFFFFEu      // epochs run 1 .. MB_PERIOD
+// Tuning flags (kernel mailbox_exchange_f<flags>, transport/mailbox_cuda.py FLAGS):
+#define MB_FLAG_FENCE 1            // a system fence after publishing, before polling
+#define MB_FLAG_HANG_LANE0 2       // only lane 0 of a warp polls the hang word (the others rely on their timeout)
 
 // Volatile accesses: not cached in L1, system-scope relaxed semantics (PTX: .volatile == .relaxed.sys).
 __device__ __forceinline__ void st_word(u64_t* p, u64_t v) {
@@ -81,13 +84,15 @@ __device__ __forceinline__ bool current(u64_t a, u64_t b, bool two, unsigned e) 
 
 // Wait until the peer's words at p (one, or two when `two`) carry epoch e; a and b hold the first poll.
 // false: gave up (hang word set by another rank, or timed out here and set it).
+template <int flags>
 __device__ __forceinline__ bool wait_words(const u64_t* p, bool two, bool vec, unsigned e, u64_t& a, u64_t& b,
                                            u64_t* hang, int rank, u64_t timeout_ns, u64_t& deadline) {
     unsigned spins = 0, ns = 32;
+    const bool reads_hang = !(flags & MB_FLAG_HANG_LANE0) || (threadIdx.x & 31) == 0;
     while (!current(a, b, two, e)) {
         if (++spins > 64) {
             if ((spins & 15) == 0) {
-                if (ld_word(hang) != 0ull) return false;
+                if (reads_hang && ld_word(hang) != 0ull) return false;
                 const u64_t now = global_ns();
                 if (deadline == 0ull) {
                     deadline = now + timeout_ns;
@@ -109,15 +114,16 @@ __device__ __forceinline__ bool wait_words(const u64_t* p, bool two, bool vec, u
     return true;
 }
 
-// One exchange of n elements (n <= words).
+// One exchange of n elements (n <= words); kernels mailbox_exchange_f0 .. _f3 (the MB_FLAG_* set).
 //   in:    [n] bf16 (in_f32 = 0) or float32 (in_f32 = 1)
 //   out:   gather = 0: the sum, [n] bf16 (out_f32 = 0) or float32 (out_f32 = 1); may alias in
 //          gather = 1: every rank's elements as float32, row p at out + p * out_stride
 //   seg:   the mapped segment (host memory; header first)
 //   state: device u32 [2]: last epoch used, blocks finished with the current exchange (0 between launches)
-extern "C" __global__ void __launch_bounds__(MB_THREADS)
-mailbox_exchange(const void* in, void* out, u64_t* seg, unsigned* state, int rank, int tp, long long words,
-                 int n, int in_f32, int out_f32, int gather, long long out_stride, u64_t timeout_ns) {
+template <int flags>
+__device__ __forceinline__ void mailbox_exchange_body(const void* in, void* out, u64_t* seg, unsigned* state, int rank,
+                                                      int tp, long long words, int n, int in_f32, int out_f32,
+                                                      int gather, long long out_stride, u64_t timeout_ns) {
     __shared__ unsigned s_epoch;
     u64_t* hang = seg + MB_HANG_WORD;
     if (threadIdx.x == 0) s_epoch = ld_acquire_u32(state) % MB_PERIOD + 1u;   // ordered before the atomic below
@@ -148,6 +154,7 @@ mailbox_exchange(const void* in, void* out, u64_t* seg, unsigned* state, int ran
                 st_word(mine + i, w0);
             }
         }
+        if (flags & MB_FLAG_FENCE) __threadfence_system();     // push this rank's words out before polling
         if (e <= 2u || e >= MB_PERIOD - 1u) {                   // first and last use of a slot in a pass
             for (long long k = n + g; k < words; k += G) st_word(mine + k, 0ull);
             __threadfence_system();      // cleared before any later exchange's words become visible
@@ -180,7 +187,7 @@ mailbox_exchange(const void* in, void* out, u64_t* seg, unsigned* state, int ran
 #pragma unroll
             for (int p = 0; p < MB_MAX_TP; ++p) {
                 if (ok && p < tp && p != rank)
-                    ok = wait_words(slots + (long long)p * 2 * words + i, two, vec, e, a[p], b[p], hang, rank,
+                    ok = wait_words<flags>(slots + (long long)p * 2 * words + i, two, vec, e, a[p], b[p], hang, rank,
                                     timeout_ns, deadline);
             }
             if (!ok) break;                                       // the hang word is set; the host will see it
@@ -222,3 +229,15 @@ mailbox_exchange(const void* in, void* out, u64_t* seg, unsigned* state, int ran
         }
     }
 }
+
+#define MB_KERNEL(F) \
+    extern "C" __global__ void __launch_bounds__(MB_THREADS) mailbox_exchange_f##F( \
+        const void* in, void* out, u64_t* seg, unsigned* state, int rank, int tp, long long words, int n, \
+        int in_f32, int out_f32, int gather, long long out_stride, u64_t timeout_ns) { \
+        mailbox_exchange_body<F>(in, out, seg, state, rank, tp, words, n, in_f32, out_f32, gather, out_stride, \
+                                 timeout_ns); \
+    }
+MB_KERNEL(0)
+MB_KERNEL(1)
+MB_KERNEL(2)
+MB_KERNEL(3)

@@ -1,4 +1,5 @@
-// Decode linear layers: y[T, O] = x[T, I] @ W[O, I]^T for T <= 16 columns, and weight dequantisation.
+// Decode linear layers: y[T, O] = x[T, I] @ W[O, I]^T for T <= 16 (bf16) or 32 (quantised) columns, and
+// weight dequantisation.
 //
 // Weight kinds (kernels/quant.py describes the layouts):
 //   bf16      W bf16 [O, I]                                   I % 8 == 0
@@ -22,8 +23,9 @@
 // through fp16 instead (see fp4x8_scaled), exact under -ftz. (fp8 products below 2^-126 after the
 // 2^-120 scaling are flushed too: |x * w| < 2^-6 * scale, within the bf16 error of the result.)
 //
-// fp8row / fp8blk / nvfp4 (I % 32 == 0) at T <= 8 use the tensor-core kernels gemv_*_tc further down
-// (16-row tiles, mma.sync bf16; see the comment there); the kernels below serve bf16, T = 9..16 and nvfp4h.
+// fp8row / fp8blk / nvfp4 (I % 32 == 0) use the tensor-core kernels gemv_*_tc* further down (16-row
+// tiles, mma.sync bf16, up to 32 columns; see the comment there); the kernels below serve bf16, nvfp4h and
+// quantised layers too small to fill the GPU at T = 1.
 //
 // Epilogue `mode`: 0 store bf16(y); 1 residual: bf16(residual + bf16(y)); 2 SwiGLU over a gate|up
 // weight of 2F rows: out[T, F] = bf16(bf16(silu(bf16(gate))) * bf16(up)).
@@ -339,11 +341,12 @@ GEMV_KERNEL(gemv_nvfp4_t16, KIND_NVFP4, 16)
 GEMV_KERNEL(gemv_nvfp4h_t16, KIND_NVFP4H, 16)
 
 // ------------------------------------------------------------------------------------------------
-// Tensor-core decode GEMV for quantised weights, T <= 8 columns (sm_80+): gemv_{fp8row,fp8blk,nvfp4}_tc.
+// Tensor-core decode GEMV for quantised weights (sm_80+): gemv_{fp8row,fp8blk,nvfp4}_tc for T <= 8
+// columns, _tc16 and _tc32 for T <= 16 and T <= 32 (two and four column tiles of 8 per A tile).
 //
 // A warp owns a tile of 16 weight rows and multiplies it with mma.sync.m16n8k16 (bf16 in, fp32
 // accumulate): the weights are the A operand (16 rows x 16 k, decoded in registers), x the B operand
-// (16 k x 8 columns; columns >= T are zeros), so T = 1..8 cost the same and the multiply-adds leave
+// (16 k x 8 columns; columns >= T read column 0 and are never stored), so T = 1..8 cost the same and the multiply-adds leave
 // the CUDA cores. Lane (g = lane / 4, t = lane % 4) supplies A rows g and g+8 and B column g at the
 // k slots {2t, 2t+1, 2t+8, 2t+9} of every mma (PTX ISA fragment layout for m16n8k16 .bf16):
 //   A reg0 = row g (k 2t, 2t+1)  reg1 = row g+8 (k 2t, 2t+1)  reg2 = row g (k 2t+8, 2t+9)  reg3 = row g+8 (k 2t+8, 2t+9)
@@ -418,12 +421,17 @@ __device__ __forceinline__ unsigned fp8_scale_bf16x2_2p118(unsigned b) {
     return d;
 }
 
-// One step of a lane: its chunk of both rows (wv, nvfp4 scale bytes sv) times the matching x (xv,
-// bf16 of column g, EPC / 8 uint4) into the accumulators (two sets, alternating, to halve the mma
-// dependency chain). fp8blk: the step's partial sums are scaled by the rows' block scales s0, s1.
-template <int KIND>
-__device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&sv)[2], const uint4* xv,
-                                        float s0, float s1, float (&acc)[2][4]) {
+// One step of a lane: its chunk of both rows (wv, nvfp4 scale bytes sv) times the matching x of the
+// NB column tiles (column 8 nb + g of tile nb, at xq + xoff[nb]; EPC / 8 uint4 each, zeros when not
+// `live`) into the accumulators. The A fragments are decoded once and used by every tile. With one
+// tile the accumulators come in two sets (S = 2, alternating) to halve the mma dependency chain;
+// with several tiles the tiles already interleave. fp8blk: the step's partial sums are scaled by
+// the rows' block scales s0, s1.
+template <int KIND, int NB, int S>
+__device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&sv)[2], const bf16_t* xq,
+                                        const i64_t (&xoff)[NB], bool live, float s0, float s1,
+                                        float (&acc)[NB][S][4]) {
+    const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     if (KIND == KIND_NVFP4) {
         unsigned s2[2][2];                                            // [row][group]: (s, s) * 2^118
 #pragma unroll
@@ -436,49 +444,85 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
             const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
             const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
             const unsigned v0 = w0 >> 8, v1 = w1 >> 8;               // nibbles 2, 3 (6, 7) at 0, 1 (4, 5)
-            const uint4 xw = xv[m];                                   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
             const unsigned sa = s2[0][m >> 1], sb = s2[1][m >> 1];
-            mma_bf16_16816(acc[0], bf16x2_mul(fp4pair_bf16<0>(w0), sa), bf16x2_mul(fp4pair_bf16<0>(w1), sb),
-                           bf16x2_mul(fp4pair_bf16<1>(w0), sa), bf16x2_mul(fp4pair_bf16<1>(w1), sb),
-                           prmt(xw.x, xw.z, 0x5410u), prmt(xw.x, xw.z, 0x7632u));          // (x0 x4) (x1 x5)
-            mma_bf16_16816(acc[1], bf16x2_mul(fp4pair_bf16<0>(v0), sa), bf16x2_mul(fp4pair_bf16<0>(v1), sb),
-                           bf16x2_mul(fp4pair_bf16<1>(v0), sa), bf16x2_mul(fp4pair_bf16<1>(v1), sb),
-                           prmt(xw.y, xw.w, 0x5410u), prmt(xw.y, xw.w, 0x7632u));          // (x2 x6) (x3 x7)
+            const unsigned a0 = bf16x2_mul(fp4pair_bf16<0>(w0), sa), a1 = bf16x2_mul(fp4pair_bf16<0>(w1), sb);
+            const unsigned a2 = bf16x2_mul(fp4pair_bf16<1>(w0), sa), a3 = bf16x2_mul(fp4pair_bf16<1>(w1), sb);
+            const unsigned h0 = bf16x2_mul(fp4pair_bf16<0>(v0), sa), h1 = bf16x2_mul(fp4pair_bf16<0>(v1), sb);
+            const unsigned h2 = bf16x2_mul(fp4pair_bf16<1>(v0), sa), h3 = bf16x2_mul(fp4pair_bf16<1>(v1), sb);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const uint4 xw = live ? ld_x16(xq + xoff[nb] + 8 * m) : zero4;   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
+                mma_bf16_16816(acc[nb][0], a0, a1, a2, a3,
+                               prmt(xw.x, xw.z, 0x5410u), prmt(xw.x, xw.z, 0x7632u));  // (x0 x4) (x1 x5)
+                mma_bf16_16816(acc[nb][1 % S], h0, h1, h2, h3,
+                               prmt(xw.y, xw.w, 0x5410u), prmt(xw.y, xw.w, 0x7632u));  // (x2 x6) (x3 x7)
+            }
         }
     } else {
         const unsigned two64 = 0x5f805f80u;                           // bf16x2 (2^64, 2^64)
-        float cs[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        float (&cc)[2][4] = KIND == KIND_FP8BLK ? cs : acc;
+        float cs[NB][S][4];
+        if (KIND == KIND_FP8BLK) {
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {                                 // 32-bit word m: elements 4m .. 4m+3
-            const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
-            const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
-            const uint4 xw = xv[m >> 1];
-            const unsigned xl = (m & 1) ? xw.z : xw.x, xh = (m & 1) ? xw.w : xw.y;   // (x0 x1) (x2 x3)
-            unsigned e0, o0, e1, o1;
-            fp8x4_bf16(w0, e0, o0);
-            fp8x4_bf16(w1, e1, o1);
-            mma_bf16_16816(cc[m & 1], e0, e1, o0, o1, bf16x2_mul(prmt(xl, xh, 0x5410u), two64),
-                           bf16x2_mul(prmt(xl, xh, 0x7632u), two64));                    // (x0 x2) (x1 x3)
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int k = 0; k < S; ++k)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) cs[nb][k][i] = 0.f;
+        }
+        float (&cc)[NB][S][4] = KIND == KIND_FP8BLK ? cs : acc;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                                 // x uint4 h: elements 8h .. 8h+7
+            unsigned e0[2], o0[2], e1[2], o1[2];
+#pragma unroll
+            for (int mm = 0; mm < 2; ++mm) {                          // 32-bit word m = 2h + mm: elements 4m .. 4m+3
+                const int m = 2 * h + mm;
+                const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
+                const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+                fp8x4_bf16(w0, e0[mm], o0[mm]);
+                fp8x4_bf16(w1, e1[mm], o1[mm]);
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const uint4 xw = live ? ld_x16(xq + xoff[nb] + 8 * h) : zero4;
+#pragma unroll
+                for (int mm = 0; mm < 2; ++mm) {
+                    const unsigned xl = mm ? xw.z : xw.x, xh = mm ? xw.w : xw.y;   // (x0 x1) (x2 x3)
+                    mma_bf16_16816(cc[nb][mm % S], e0[mm], e1[mm], o0[mm], o1[mm],
+                                   bf16x2_mul(prmt(xl, xh, 0x5410u), two64),
+                                   bf16x2_mul(prmt(xl, xh, 0x7632u), two64));            // (x0 x2) (x1 x3)
+                }
+            }
         }
         if (KIND == KIND_FP8BLK) {
-            acc[0][0] = fmaf(cs[0][0] + cs[1][0], s0, acc[0][0]);
-            acc[0][1] = fmaf(cs[0][1] + cs[1][1], s0, acc[0][1]);
-            acc[0][2] = fmaf(cs[0][2] + cs[1][2], s1, acc[0][2]);
-            acc[0][3] = fmaf(cs[0][3] + cs[1][3], s1, acc[0][3]);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                float c[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    c[i] = cs[nb][0][i];
+#pragma unroll
+                    for (int k = 1; k < S; ++k) c[i] += cs[nb][k][i];
+                }
+                acc[nb][0][0] = fmaf(c[0], s0, acc[nb][0][0]);
+                acc[nb][0][1] = fmaf(c[1], s0, acc[nb][0][1]);
+                acc[nb][0][2] = fmaf(c[2], s1, acc[nb][0][2]);
+                acc[nb][0][3] = fmaf(c[3], s1, acc[nb][0][3]);
+            }
         }
     }
 }
 
-template <int KIND>
+// NB column tiles of 8: T <= 8 NB. Steps in flight per lane (U) shrink as NB grows, to keep the
+// accumulators in registers.
+template <int KIND, int NB>
 __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
                                              const u8_t* __restrict__ w, const void* __restrict__ scale,
                                              const float* __restrict__ gscale, const bf16_t* residual,
                                              int O, int I, int T, int ks, int mode, int F, int sb) {
-    constexpr int U = KIND == KIND_NVFP4 ? 2 : 4;                   // steps in flight per lane
+    constexpr int S = NB == 1 ? 2 : 1;                               // accumulator sets per tile
+    constexpr int U = NB == 1 ? (KIND == KIND_NVFP4 ? 2 : 4) : 2;    // steps in flight per lane
     constexpr int EPC = KIND == KIND_NVFP4 ? 32 : 16;               // elements per 16-byte chunk
-    constexpr int XV = EPC / 8;                                      // uint4 of x per chunk
-    __shared__ float red[GEMV_WARPS][4][32];
+    __shared__ float red[GEMV_WARPS][NB][4][32];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -497,8 +541,9 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
     }
 
     // A row past O (or past F) reads row 0: its A values only reach C rows that are never stored.
-    // A column g >= T reads column 0: B column g only reaches C column g, never stored either.
-    // Chunks past the row end (only in the last, partial step) get x = 0, so their A adds nothing.
+    // A column 8 nb + g >= T reads column 0: B column g of tile nb only reaches C column 8 nb + g,
+    // never stored either. Chunks past the row end (only in the last, partial step) get x = 0, so
+    // their A adds nothing.
     const int C = I / EPC;                                            // 16-byte chunks per row
     const int full = C / 4, steps = (C + 3) / 4;                      // steps with 4 valid chunks; all
     const int c0 = kslot * 4 + t;                                     // this lane's chunk in step kslot
@@ -512,10 +557,22 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
         sp[r] = (const u8_t*)scale + (i64_t)row * (I / 16) + (i64_t)c0 * 2;
         bs[r] = (const float*)scale + (i64_t)(row >> 7) * sb;
     }
-    const bf16_t* xp = x + (i64_t)(g < T ? g : 0) * I + (i64_t)c0 * EPC;
+    i64_t xoff[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        const int col = 8 * nb + g;
+        xoff[nb] = (i64_t)(col < T ? col : 0) * I;
+    }
+    const bf16_t* xp = x + (i64_t)c0 * EPC;
     const int wstep = ks * 4 * 16, sstep = ks * 4 * 2, xstep = ks * 4 * EPC;   // per step of this warp
 
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float acc[NB][S][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int k = 0; k < S; ++k)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nb][k][i] = 0.f;
     int q = kslot;
     for (; q + (U - 1) * ks < full; q += U * ks) {                    // U full steps, no guards
         uint4 wv[U][2];
@@ -529,12 +586,9 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
             }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            uint4 xv[XV];
-#pragma unroll
-            for (int k = 0; k < XV; ++k) xv[k] = ld_x16(xp + (i64_t)u * xstep + 8 * k);
             float s0 = 1.f, s1 = 1.f;
             if (KIND == KIND_FP8BLK) { s0 = __ldg(bs[0] + ((q + u * ks) >> 1)); s1 = __ldg(bs[1] + ((q + u * ks) >> 1)); }
-            tc_step<KIND>(wv[u], sv[u], xv, s0, s1, acc);
+            tc_step<KIND, NB, S>(wv[u], sv[u], xp + (i64_t)u * xstep, xoff, true, s0, s1, acc);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) { wp[r] += (i64_t)U * wstep; sp[r] += (i64_t)U * sstep; }
@@ -544,34 +598,31 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
         const bool live = q < full || q * 4 + t < C;                  // this lane's chunk exists
         uint4 wv[2];
         unsigned sv[2];
-        uint4 xv[XV];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             wv[r] = ld_stream16(live ? wp[r] : wp[r] - 16 * t);       // chunk 4q (exists) when not live
             sv[r] = KIND == KIND_NVFP4 ? (unsigned)__ldg((const unsigned short*)(live ? sp[r] : sp[r] - 2 * t)) : 0u;
         }
-#pragma unroll
-        for (int k = 0; k < XV; ++k) xv[k] = live ? ld_x16(xp + 8 * k) : make_uint4(0u, 0u, 0u, 0u);
         float s0 = 1.f, s1 = 1.f;
         if (KIND == KIND_FP8BLK) { s0 = __ldg(bs[0] + (q >> 1)); s1 = __ldg(bs[1] + (q >> 1)); }
-        tc_step<KIND>(wv, sv, xv, s0, s1, acc);
+        tc_step<KIND, NB, S>(wv, sv, xp, xoff, live, s0, s1, acc);
 #pragma unroll
         for (int r = 0; r < 2; ++r) { wp[r] += wstep; sp[r] += sstep; }
         xp += xstep;
     }
 
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[0][i] + acc[1][i];
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float v = acc[nb][0][i];
+#pragma unroll
+            for (int k = 1; k < S; ++k) v += acc[nb][k][i];
+            red[warp][nb][i][lane] = v;
+        }
     __syncthreads();
     if (kslot != 0) return;
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float s = 0.f;
-        for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][i][lane];
-        v[i] = s;
-    }
-    // v[0], v[1]: rows[0], columns 2t, 2t+1; v[2], v[3]: rows[1], columns 2t, 2t+1.
+    // v[0], v[1]: rows[0], columns 8 nb + 2t, +1; v[2], v[3]: rows[1], the same columns.
     float mul[2];
     if (KIND == KIND_NVFP4) {
         mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
@@ -584,38 +635,56 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
         }
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int col = 2 * t + j;
-        if (col >= T) continue;
-        const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
-        if (mode == 2) {
-            if (ok[0]) {
-                const float gate = bf16_to_f32(f32_to_bf16(r0));
-                const float up = bf16_to_f32(f32_to_bf16(r1));
-                const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
-                y[(i64_t)col * F + rows[0]] = f32_to_bf16(act * up);
-            }
-        } else {
-            const float rv[2] = {r0, r1};
+    for (int nb = 0; nb < NB; ++nb) {
+        float v[4];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                if (ok[r]) {
-                    const i64_t o = (i64_t)col * O + rows[r];
-                    bf16_t b = f32_to_bf16(rv[r]);
-                    if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
-                    y[o] = b;
+        for (int i = 0; i < 4; ++i) {
+            float s = 0.f;
+            for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
+            v[i] = s;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int col = 8 * nb + 2 * t + j;
+            if (col >= T) continue;
+            const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
+            if (mode == 2) {
+                if (ok[0]) {
+                    const float gate = bf16_to_f32(f32_to_bf16(r0));
+                    const float up = bf16_to_f32(f32_to_bf16(r1));
+                    const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
+                    y[(i64_t)col * F + rows[0]] = f32_to_bf16(act * up);
+                }
+            } else {
+                const float rv[2] = {r0, r1};
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    if (ok[r]) {
+                        const i64_t o = (i64_t)col * O + rows[r];
+                        bf16_t b = f32_to_bf16(rv[r]);
+                        if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
+                        y[o] = b;
+                    }
                 }
             }
         }
     }
 }
 
-#define GEMV_TC_KERNEL(name, KIND) \
-    extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { gemv_tc_body<KIND>(GEMV_PASS); }
+// Two blocks per SM (<= 128 registers) up to two column tiles; four tiles need more registers than
+// that without spilling, so they run one block per SM.
+#define GEMV_TC_KERNEL(name, KIND, NB) \
+    extern "C" __global__ void __launch_bounds__(256, NB <= 2 ? 2 : 1) name(GEMV_ARGS) { gemv_tc_body<KIND, NB>(GEMV_PASS); }
 
-GEMV_TC_KERNEL(gemv_fp8row_tc, KIND_FP8ROW)
-GEMV_TC_KERNEL(gemv_fp8blk_tc, KIND_FP8BLK)
-GEMV_TC_KERNEL(gemv_nvfp4_tc, KIND_NVFP4)
+GEMV_TC_KERNEL(gemv_fp8row_tc, KIND_FP8ROW, 1)
+GEMV_TC_KERNEL(gemv_fp8blk_tc, KIND_FP8BLK, 1)
+GEMV_TC_KERNEL(gemv_nvfp4_tc, KIND_NVFP4, 1)
+GEMV_TC_KERNEL(gemv_fp8row_tc16, KIND_FP8ROW, 2)
+GEMV_TC_KERNEL(gemv_fp8blk_tc16, KIND_FP8BLK, 2)
+GEMV_TC_KERNEL(gemv_nvfp4_tc16, KIND_NVFP4, 2)
+GEMV_TC_KERNEL(gemv_fp8row_tc32, KIND_FP8ROW, 4)
+GEMV_TC_KERNEL(gemv_fp8blk_tc32, KIND_FP8BLK, 4)
+GEMV_TC_KERNEL(gemv_nvfp4_tc32, KIND_NVFP4, 4)
 
 // ------------------------------------------------------------------------------------------------
 // Dequantisation to bf16 [O, I] (prefill path and tests). One thread per 16 elements of a row,

@@ -65,6 +65,15 @@ def _eager_us(torch, fn, x, per_graph: int, replays: int) -> list[float]:
     return out
 
 
+def _variant(v: str, default: tuple[int, int]) -> tuple[int, int]:
+    """'f3b16' -> (flags 3, grid cap 16); a part left out keeps the default."""
+    import re
+    m = re.fullmatch(r"(?:f(\d+))?(?:b(\d+))?", v)
+    if not m or not v:
+        raise ValueError(f"mailbox variant {v!r}: expected f<flags> and/or b<blocks>")
+    return (int(m.group(1)) if m.group(1) else default[0], int(m.group(2)) if m.group(2) else default[1])
+
+
 def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) -> None:
     try:
         import torch
@@ -84,14 +93,20 @@ def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) ->
             n = size // 2
             x = torch.randn(n, device=dev).to(torch.bfloat16)   # values grow over the repeats; timing ignores them
             row = {"bytes": size}
-            for name, fn, graph in (("nccl", nccl.all_reduce, True), ("mailbox", mb.all_reduce, True),
-                                    ("staged", staged.all_reduce, False)):
+            default = (mb.flags, mb.max_blocks)
+            variants = [("nccl", nccl.all_reduce, True, None), ("mailbox", mb.all_reduce, True, default)]
+            variants += [(f"mailbox_{v}", mb.all_reduce, True, _variant(v, default)) for v in args.mailbox_variants]
+            variants.append(("staged", staged.all_reduce, False, None))
+            for name, fn, graph, conf in variants:
+                if conf is not None:
+                    mb.flags, mb.max_blocks = conf
                 nccl.barrier()
                 if graph:
                     us = _graph_us(torch, fn, x, args.per_graph, args.replays)
                 else:                                  # ~100x slower per exchange: fewer of them
                     us = _eager_us(torch, fn, x, max(1, args.per_graph // 10), max(3, args.replays // 5))
                 row[name] = statistics.median(us)
+            mb.flags, mb.max_blocks = default
             mb.synchronize()
             res["rows"].append(row)
         staged.close()
@@ -108,6 +123,9 @@ def main() -> int:
                     help="payload bytes (bf16), comma-separated")
     ap.add_argument("--per-graph", type=int, default=100)
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--mailbox-variants", type=lambda s: s.split(","), default=[],
+                    help="also time mailbox kernel variants, comma-separated: f<MB_FLAG_* set> and/or "
+                         "b<grid cap in blocks>, e.g. f1,f2,b16,f2b16")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -171,6 +189,14 @@ def main() -> int:
         print(f"{b:>8} | {n['rank0_us']:>6.2f}/{n['rank1_us']:<6.2f} | {m['rank0_us']:>6.2f}/{m['rank1_us']:<6.2f} "
               f"{m['gbps']:>6.2f} {m['x_nccl']:>6.2f} | {s['rank0_us']:>7.1f}/{s['rank1_us']:<7.1f} "
               f"{s['gbps']:>6.2f} {s['x_nccl']:>6.2f}")
+    if args.mailbox_variants:
+        print("mailbox kernel variants (f: flags, 1 fence after publishing, 2 hang word polled by lane 0 only; "
+              "b: grid cap), us per exchange (max of the ranks)")
+        print(f"{'bytes':>8} | " + " ".join(f"{v:>8}" for v in args.mailbox_variants))
+        for r0, r1, row in zip(out[0]["rows"], out[1]["rows"], rows):
+            row["mailbox_variants"] = {v: max(r0[f"mailbox_{v}"], r1[f"mailbox_{v}"]) for v in args.mailbox_variants}
+            print(f"{row['bytes']:>8} | " + " ".join(f"{row['mailbox_variants'][v]:>8.2f}"
+                                                     for v in args.mailbox_variants))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), per_graph=args.per_graph, replays=args.replays,

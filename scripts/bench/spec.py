@@ -36,9 +36,10 @@ PROMPTS = ["def fibonacci(n):\n", "<|im_start|>user\nWhat is the capital of Fran
 
 
 def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: str, k: int, C: int,
-        new_tokens: int, random_weights: bool) -> dict:
+        new_tokens: int, random_weights: bool, log_level: str = "WARNING") -> dict:
     opts = EngineOptions(max_concurrency=C, spec_draft_tokens=k, random_weights=random_weights,
-                         max_context=max(map(len, prompts)) + new_tokens + 16, startup_timeout_s=900)
+                         max_context=max(map(len, prompts)) + new_tokens + 16, startup_timeout_s=900,
+                         log_level=log_level)
     with Engine.start(model_dir, tp=tp, device=device, dtype=dtype, options=opts) as engine:
         def batch():
             finals = [None] * C
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--log-level", default="WARNING",
+                    help="the ranks' log level (DEBUG shows where a round's host time goes)")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.model == "demo":
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
     print(f"{'K':>2s} {'C':>3s} {'tok/round':>9s} {'round ms':>9s} {'tok/s':>8s} {'per req':>8s} {'round/step':>10s}")
     for C in args.concurrency:
         for k in args.draft_tokens:
-            r = run(model_dir, prompts, args.tp, args.device, dtype, k, C, args.new_tokens, random_weights)
+            r = run(model_dir, prompts, args.tp, args.device, dtype, k, C, args.new_tokens, random_weights,
+                    args.log_level)
             if k == 0:
                 base[C] = r["round_s"]
             r["round_over_step"] = r["round_s"] / base[C] if C in base else None
