@@ -80,18 +80,27 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     ks_cap = 1
     while ks_cap < WARPS and (ks_cap * 2) * 32 <= chunks:
         ks_cap *= 2
-    ks = ks_cap
-    for cand in (1, 2, 4, 8):
-        if cand > ks_cap:
-            break
-        if -(-units // (WARPS // cand)) >= 4 * sm_count:
-            ks = cand
-            break
+    ks = _pick_ks(units, ks_cap, sm_count)
     blocks = -(-units // (WARPS // ks))
     tag = _KIND_TAG.get(ekind, ekind)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{tag}_t{nt}", "nt": nt, "ks": ks,
             "units": units, "rows_per_warp": ROWS_PER_WARP, "block": (32 * WARPS,), "grid": (blocks,),
             "T": T}
+
+
+FORCE_KS: int | None = None            # benchmarks only (scripts/bench/linear.py --ks): every launch's ks
+
+
+def _pick_ks(units: int, ks_cap: int, sm_count: int) -> int:
+    """Warps splitting I per unit: the smallest of 1, 2, 4, 8 (<= ks_cap) giving >= 4 blocks per SM."""
+    if FORCE_KS is not None:
+        return max(1, min(FORCE_KS, ks_cap))
+    for cand in (1, 2, 4, 8):
+        if cand > ks_cap:
+            break
+        if -(-units // (WARPS // cand)) >= 4 * sm_count:
+            return cand
+    return ks_cap
 
 
 def launch_columns(kind: str, I: int) -> int:
@@ -111,13 +120,7 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     ks_cap = 1
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
-    ks = ks_cap
-    for cand in (1, 2, 4, 8):
-        if cand > ks_cap:
-            break
-        if -(-tiles // (WARPS // cand)) >= 4 * sm_count:
-            ks = cand
-            break
+    ks = _pick_ks(tiles, ks_cap, sm_count)
     blocks = -(-tiles // (WARPS // ks))
     nb = next(n for n in _TC_TILES if 8 * n >= T)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}", "nt": 8 * nb, "ks": ks,

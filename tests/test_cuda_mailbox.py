@@ -121,7 +121,7 @@ def _rank_exactness(rank: int, name: str, seed: int, out_dir: str, dtypes: list[
                 y.copy_(x)
                 assert mb.all_reduce(y) is y
                 mb.synchronize()
-                exchanges += len(pieces(n, mb.words))
+                exchanges += len(pieces(n, mb.words, packed=dtype == "bfloat16"))
                 assert bool(torch.isnan(buf[:guard]).all()) and bool(torch.isnan(buf[guard + n:]).all()), \
                     f"n={n} {dtype}: a guard element was overwritten"
                 np.save(os.path.join(out_dir, f"r{rank}_{i}_{dtype}.npy"), y.cpu().view(torch.uint8).numpy())
@@ -130,7 +130,7 @@ def _rank_exactness(rank: int, name: str, seed: int, out_dir: str, dtypes: list[
             out = torch.full((tp, n), float("nan"), dtype=torch.float32, device=x.device)
             mb.all_gather(x, out=out)
             mb.synchronize()
-            exchanges += len(pieces(n, mb.words))
+            exchanges += len(pieces(n, mb.words, packed=True))
             want = torch.stack([_as(_input(seed, r, i, n), "bfloat16").float() for r in range(tp)])
             assert torch.equal(out.cpu(), want), f"all_gather n={n}: wrong rows"
         assert mb.epoch() == exchanges, (mb.epoch(), exchanges)
@@ -252,15 +252,16 @@ def test_epochs_wrap_with_an_even_period():
     assert 0 not in seen and all(a % 2 != b % 2 for a, b in zip(seen, seen[1:])), seen
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("words", [1, 2, 3, 97, 98, 4099, 131072])
-def test_pieces_cover_the_payload(words):
-    step = piece_elements(words)
-    assert 1 <= step <= words and (words == 1 or step % 2 == 0)
-    assert pieces(0, words) == []
+def test_pieces_cover_the_payload(words, packed):
+    step = piece_elements(words) * (2 if packed else 1)         # bf16 payloads: two elements per word
+    assert 1 <= step <= words * (2 if packed else 1) and (words == 1 or step % 2 == 0)
+    assert pieces(0, words, packed) == []
     for n in (1, 2, step - 1, step, step + 1, 3 * step + 1, 524288):
         if n < 1:
             continue
-        ps = pieces(n, words)
+        ps = pieces(n, words, packed)
         assert ps[0][0] == 0 and sum(k for _, k in ps) == n
         assert all(a + k == b for (a, k), (b, _) in zip(ps, ps[1:]))
         assert all(1 <= k <= step for _, k in ps) and all(a % step == 0 for a, _ in ps)

@@ -1,7 +1,8 @@
 """The mailbox, GPU flavor: the segment of transport/mailbox.py registered as mapped pinned host memory,
 exchanged by a kernel (kernels/cuda/exchange.cu) that writes its words and polls its peers' words.
 
-Same layout, same word format (float32 bits low, epoch high), same alternating slots, same sticky hang
+Same layout, same word format for float32 payloads (float32 bits low, epoch high; bf16 payloads are
+packed two elements to a word, which halves the PCIe traffic), same alternating slots, same sticky hang
 word, same float32 rank-order sums; what differs is who keeps the epoch. Here it lives in device memory
 (`state`, u32 [2]: last epoch used, a block counter) and the kernel advances it, so a captured CUDA graph
 replays with fresh epochs and no host involvement. The host never knows the current epoch without a sync
@@ -15,7 +16,8 @@ segment without handing the epoch over.
     mb.all_gather(x)          # [tp, *x.shape] float32
     mb.synchronize()          # stream sync, then MailboxHang if any rank reported a hang
 
-Payloads larger than a slot go in pieces of `piece_elements(words)` (one epoch each).
+Payloads larger than a slot go in pieces of `piece_elements(words)` elements (twice that for bf16; one
+epoch each).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ BLOCKS_PER_SM = 2                    # grid cap: every block resident (the kerne
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x01, 0x02
 PROBE_BYTES = 4096
 # Kernel tuning flags (MB_FLAG_* in exchange.cu): 1 system fence after publishing, 2 only lane 0 of a warp
-# polls the hang word. TANDEM_MAILBOX_FLAGS overrides (benchmarks).
-FLAGS = 0
+# polls the hang word (the other lanes rely on their own timeout). 2 was as fast as 0 or faster at every
+# payload on two H200s, and keeps thousands of waiting threads off one host word; the fence was slower
+# (docs/perf.md). TANDEM_MAILBOX_FLAGS overrides (benchmarks).
+FLAGS = 2
 
 
 def next_epoch(e: int) -> int:
@@ -51,9 +55,10 @@ def piece_elements(words: int) -> int:
     return words if words == 1 else words & ~1
 
 
-def pieces(n: int, words: int) -> list[tuple[int, int]]:
-    """(start, count) of each exchange that carries n elements (none for n == 0)."""
-    step = piece_elements(words)
+def pieces(n: int, words: int, packed: bool = False) -> list[tuple[int, int]]:
+    """(start, count) of each exchange that carries n elements (none for n == 0); packed: bf16
+    elements, two to a word."""
+    step = piece_elements(words) * (2 if packed else 1)
     return [(at, min(step, n - at)) for at in range(0, n, step)]
 
 
@@ -119,7 +124,7 @@ class CudaMailbox:
         t: bf16 or float32, contiguous, on this mailbox's device. No host sync: capturable."""
         self._check(t, "all_reduce")
         if self.tp > 1:
-            for at, n in pieces(t.numel(), self.words):
+            for at, n in pieces(t.numel(), self.words, packed=t.dtype == torch.bfloat16):
                 self._exchange(t, at, n, t, at, gather=False, out_stride=0)
         return t
 
@@ -136,7 +141,7 @@ class CudaMailbox:
         if self.tp == 1:
             out[0].copy_(t)
             return out
-        for at, k in pieces(n, self.words):
+        for at, k in pieces(n, self.words, packed=t.dtype == torch.bfloat16):
             self._exchange(t, at, k, out, at, gather=True, out_stride=n)
         return out
 
@@ -219,7 +224,8 @@ class CudaMailbox:
 
     def _exchange(self, src: torch.Tensor, at: int, n: int, dst: torch.Tensor, dst_at: int, gather: bool,
                   out_stride: int) -> None:
-        blocks = min(-(-((n + 1) // 2) // THREADS), self.max_blocks)
+        words = (n + 1) // 2 if src.dtype == torch.bfloat16 else n
+        blocks = min(-(-((words + 1) // 2) // THREADS), self.max_blocks)
         args = (np.uint64(src.data_ptr() + at * src.element_size()),
                 np.uint64(dst.data_ptr() + dst_at * dst.element_size()),
                 np.uint64(self._ptr), self.state,

@@ -2,9 +2,10 @@
 // processes through one shared-memory segment registered as mapped pinned host memory in every process.
 //
 // Layout (transport/mailbox.py defines it): a 64-byte header (hang word at byte 24), then for rank r and
-// slot s in {0, 1}: `words` u64 words at header + (r * 2 + s) * words. A word is a float32's bits in its
-// low half and the epoch of the exchange that wrote it in its high half, so a reader knows a word is
-// current by the word itself: no flags, no fences. Exchange e writes slot e % 2.
+// slot s in {0, 1}: `words` u64 words at header + (r * 2 + s) * words. A word is a float32's bits (or,
+// for bf16 payloads, two bf16 elements: half the words, half the PCIe traffic) in its low half and the
+// epoch of the exchange that wrote it in its high half, so a reader knows a word is current by the word
+// itself: no flags, no fences. Exchange e writes slot e % 2.
 //
 // Epochs come from device memory, so a captured CUDA graph replays with fresh epochs without the host:
 // state[0] holds the last epoch used; every block reads it at its start and uses e = state[0] % (2^32 - 2)
@@ -16,7 +17,8 @@
 // e + 1 finished, which needed every peer's e + 1 words, which each peer wrote only after its launch for
 // e had finished reading (stream order: launches of one rank do not overlap).
 //
-// Thread layout: a thread owns chunks of 2 consecutive elements (one 16-byte pair of words), grid-strided.
+// Thread layout: a thread owns chunks of 2 consecutive words (one 16-byte pair: 4 bf16 or 2 float32
+// elements), grid-strided.
 // Phase 1 writes all its chunks' words to the own slot; phase 2 polls every peer's words of the same
 // chunks, sums in float32 in rank order 0 .. tp-1 (bit-identical on every rank) and stores. A block waits
 // only for words that peer threads write unconditionally in their own phase 1, so blocks never depend on
@@ -74,8 +76,21 @@ __device__ __forceinline__ u64_t global_ns() {
 }
 __device__ __forceinline__ void sleep_ns(unsigned ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
 
-__device__ __forceinline__ float load_in(const void* in, long long i, int in_f32) {
-    return in_f32 ? ((const float*)in)[i] : bf16_to_f32(((const bf16_t*)in)[i]);
+// Word k of this rank's payload: float32 input, element k's bits; bf16 input (packed), the raw bits of
+// elements 2k (low half) and 2k + 1 (high half; 0 past n).
+__device__ __forceinline__ u64_t make_word(const void* in, long long k, int n, int packed, u64_t tag) {
+    if (!packed) return tag | (u64_t)__float_as_uint(((const float*)in)[k]);
+    const unsigned short* h = (const unsigned short*)in;
+    const unsigned lo = h[2 * k];
+    const unsigned hi = 2 * k + 1 < n ? (unsigned)h[2 * k + 1] : 0u;
+    return tag | (u64_t)(lo | (hi << 16));
+}
+
+// The float32 value of one element of a word (half: which bf16 of a packed word).
+__device__ __forceinline__ float word_value(u64_t w, int half, int packed) {
+    const unsigned d = (unsigned)w;
+    if (!packed) return __uint_as_float(d);
+    return __uint_as_float(half ? (d & 0xffff0000u) : (d << 16));
 }
 
 __device__ __forceinline__ bool current(u64_t a, u64_t b, bool two, unsigned e) {
@@ -135,46 +150,49 @@ __device__ __forceinline__ void mailbox_exchange_body(const void* in, void* out,
     const bool vec = (((unsigned long long)mine) & 15ull) == 0ull;          // same for every rank's slot
     const long long G = (long long)gridDim.x * blockDim.x;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long chunks = ((long long)n + 1) >> 1;
+    // bf16 payloads travel packed, two elements per word (half the PCIe traffic); float32 ones one per word.
+    const int packed = !in_f32;
+    const long long nw = packed ? ((long long)n + 1) >> 1 : (long long)n;    // words of this exchange
+    const long long chunks = (nw + 1) >> 1;                                  // a thread's unit: 2 words
 
     {
-        // Phase 1: publish this rank's elements.
+        // Phase 1: publish this rank's words.
         for (long long c = g; c < chunks; c += G) {
-            const long long i = 2 * c;
-            const u64_t w0 = tag | (u64_t)__float_as_uint(load_in(in, i, in_f32));
-            if (i + 1 < n) {
-                const u64_t w1 = tag | (u64_t)__float_as_uint(load_in(in, i + 1, in_f32));
+            const long long k = 2 * c;
+            const u64_t w0 = make_word(in, k, n, packed, tag);
+            if (k + 1 < nw) {
+                const u64_t w1 = make_word(in, k + 1, n, packed, tag);
                 if (vec) {
-                    st_words2(mine + i, w0, w1);
+                    st_words2(mine + k, w0, w1);
                 } else {
-                    st_word(mine + i, w0);
-                    st_word(mine + i + 1, w1);
+                    st_word(mine + k, w0);
+                    st_word(mine + k + 1, w1);
                 }
             } else {
-                st_word(mine + i, w0);
+                st_word(mine + k, w0);
             }
         }
         if (flags & MB_FLAG_FENCE) __threadfence_system();     // push this rank's words out before polling
         if (e <= 2u || e >= MB_PERIOD - 1u) {                   // first and last use of a slot in a pass
-            for (long long k = n + g; k < words; k += G) st_word(mine + k, 0ull);
+            for (long long k = nw + g; k < words; k += G) st_word(mine + k, 0ull);
             __threadfence_system();      // cleared before any later exchange's words become visible
         }
 
         // Phase 2: collect every peer's words of the same chunks.
         u64_t deadline = 0ull;
         for (long long c = g; c < chunks; c += G) {
-            const long long i = 2 * c;
-            const bool two = i + 1 < n;
+            const long long k = 2 * c;
+            const bool two = k + 1 < nw;
             // own words again from the input (read before out is written: out may alias in)
-            const u64_t w0 = tag | (u64_t)__float_as_uint(load_in(in, i, in_f32));
-            const u64_t w1 = two ? tag | (u64_t)__float_as_uint(load_in(in, i + 1, in_f32)) : 0ull;
+            const u64_t w0 = make_word(in, k, n, packed, tag);
+            const u64_t w1 = two ? make_word(in, k + 1, n, packed, tag) : 0ull;
             u64_t a[MB_MAX_TP], b[MB_MAX_TP];
 #pragma unroll
             for (int p = 0; p < MB_MAX_TP; ++p) {                 // first poll of every peer, all in flight
                 a[p] = w0;
                 b[p] = w1;
                 if (p < tp && p != rank) {
-                    const u64_t* q = slots + (long long)p * 2 * words + i;
+                    const u64_t* q = slots + (long long)p * 2 * words + k;
                     if (two && vec) {
                         ld_words2(q, a[p], b[p]);
                     } else {
@@ -187,34 +205,30 @@ __device__ __forceinline__ void mailbox_exchange_body(const void* in, void* out,
 #pragma unroll
             for (int p = 0; p < MB_MAX_TP; ++p) {
                 if (ok && p < tp && p != rank)
-                    ok = wait_words<flags>(slots + (long long)p * 2 * words + i, two, vec, e, a[p], b[p], hang, rank,
-                                    timeout_ns, deadline);
+                    ok = wait_words<flags>(slots + (long long)p * 2 * words + k, two, vec, e, a[p], b[p], hang, rank,
+                                           timeout_ns, deadline);
             }
             if (!ok) break;                                       // the hang word is set; the host will see it
-            if (gather) {
-                float* o = (float*)out;
+            // element j of the chunk (0 .. 3 packed, 0 .. 1 not): word j >> packed, half j & packed
+            const long long i0 = packed ? 2 * k : k;              // the chunk's first element
 #pragma unroll
-                for (int p = 0; p < MB_MAX_TP; ++p) {
-                    if (p < tp) {
-                        o[p * out_stride + i] = __uint_as_float((unsigned)a[p]);
-                        if (two) o[p * out_stride + i + 1] = __uint_as_float((unsigned)b[p]);
-                    }
-                }
-            } else {
-                float s0 = __uint_as_float((unsigned)a[0]), s1 = __uint_as_float((unsigned)b[0]);
+            for (int j = 0; j < 4; ++j) {
+                const long long i = i0 + j;
+                if (j >= (packed ? 4 : 2) || i >= n) continue;
+                const bool second = (packed ? j >> 1 : j) != 0;
+                const int half = packed ? j & 1 : 0;
+                if (gather) {
+                    float* o = (float*)out;
 #pragma unroll
-                for (int p = 1; p < MB_MAX_TP; ++p) {             // float32, rank order 0, 1, ..., tp-1
-                    if (p < tp) {
-                        s0 += __uint_as_float((unsigned)a[p]);
-                        s1 += __uint_as_float((unsigned)b[p]);
-                    }
-                }
-                if (out_f32) {
-                    ((float*)out)[i] = s0;
-                    if (two) ((float*)out)[i + 1] = s1;
+                    for (int p = 0; p < MB_MAX_TP; ++p)
+                        if (p < tp) o[p * out_stride + i] = word_value(second ? b[p] : a[p], half, packed);
                 } else {
-                    ((bf16_t*)out)[i] = f32_to_bf16(s0);
-                    if (two) ((bf16_t*)out)[i + 1] = f32_to_bf16(s1);
+                    float s = word_value(second ? b[0] : a[0], half, packed);
+#pragma unroll
+                    for (int p = 1; p < MB_MAX_TP; ++p)           // float32, rank order 0, 1, ..., tp-1
+                        if (p < tp) s += word_value(second ? b[p] : a[p], half, packed);
+                    if (out_f32) ((float*)out)[i] = s;
+                    else ((bf16_t*)out)[i] = f32_to_bf16(s);
                 }
             }
         }

@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--columns", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--kinds", nargs="+", default=["bf16", "fp8_row", "nvfp4"])
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured by decode.py's probe)")
+    ap.add_argument("--ks", type=int, nargs="*", default=[],
+                    help="also time the GEMV with every launch's I-split forced to each of these (1, 2, 4, 8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from kernels import cuda_linear as cl
@@ -78,10 +80,13 @@ def main(argv=None) -> int:
             out = torch.empty(T, O, dtype=torch.bfloat16, device="cuda")
             for kind in args.kinds:
                 wk = weights[kind]
-                t = graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False))
                 floor = cl.bytes_read(O, I, T, kind) / bw
-                r = dict(layer=name, O=O, I=I, T=T, kind=kind, impl="gemv", s=t, of_floor=floor / t)
-                rows.append(r)
+                for ks in [None] + args.ks:
+                    cl.FORCE_KS = ks
+                    t = graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False))
+                    rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl="gemv" if ks is None else f"gemv_ks{ks}",
+                                     s=t, of_floor=floor / t))
+                cl.FORCE_KS = None
             t = graph_time(lambda: torch.matmul(x, w.t(), out=out))
             floor = cl.bytes_read(O, I, T, "bf16") / bw
             rows.append(dict(layer=name, O=O, I=I, T=T, kind="bf16", impl="cublas", s=t, of_floor=floor / t))
@@ -96,6 +101,16 @@ def main(argv=None) -> int:
                 r = next(r for r in rows if r["layer"] == name and r["T"] == T and r["kind"] == kind and r["impl"] == impl)
                 cells.append(f"{r['s'] * 1e6:7.1f} {r['of_floor']:5.0%}")
             print(f"{name:12s} {T:3d} " + " ".join(f"{c:>14s}" for c in cells))
+    if args.ks:
+        print("GEMV with the I-split forced (% of floor; 'route' = the route table's choice)")
+        print(f"{'layer':12s} {'T':>3s} {'kind':>8s} {'route':>6s} " + " ".join(f"{'ks' + str(k):>6s}" for k in args.ks))
+        for name, O, I in SHAPES[args.model]:
+            for T in args.columns:
+                for kind in args.kinds:
+                    got = {r["impl"]: r["of_floor"] for r in rows if r["layer"] == name and r["T"] == T
+                           and r["kind"] == kind and r["impl"].startswith("gemv")}
+                    print(f"{name:12s} {T:3d} {kind:>8s} {got['gemv']:6.0%} "
+                          + " ".join(f"{got['gemv_ks' + str(k)]:6.0%}" for k in args.ks))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, rows=rows, device=torch.cuda.get_device_name()), f, indent=1)
