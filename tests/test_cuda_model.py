@@ -99,7 +99,10 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     g = torch.Generator().manual_seed(seed)
     big = name.startswith(("27b", "35b"))
     ref, ref16, model = _models(spec, seed, ref_device="cuda" if big else "cpu")
-    lengths = [41, 23, 70] if not big else [30, 19]
+    # the big random models have flat output distributions (248k vocabulary): ~6% of positions have
+    # a clear top-2 margin, so they need ~190 positions for the argmax check to see some (49 saw none
+    # for one seed of 35b-4layers)
+    lengths = [41, 23, 70] if not big else [100, 90]
     prefix = [17, 5, 33] if not big else [17, 5]
     seqs = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lengths]
     want = _reference_logits(ref, seqs)
