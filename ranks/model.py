@@ -109,13 +109,17 @@ def commit_batched(kept: KeptColumns, state: ModelState, accepted: list[int]) ->
     a = torch.tensor(accepted, dtype=torch.long, device=dev)
     slots = torch.tensor(kept.slots, dtype=torch.long, device=dev)
     rows = torch.arange(B, device=dev) * T + a
+    windows: dict[tuple[int, int], Tensor] = {}                 # (C, W) -> gather index [B, W, C], built once
     for j in range(len(b["states"])):
         state.recurrent[j].index_copy_(0, slots, b["states"][j].index_select(0, rows).to(state.recurrent[j].dtype))
         old = b["old_conv"][j]                                     # [B, C, K-1]
         C, W = old.shape[1], old.shape[2]
         xs = torch.cat([old.transpose(1, 2), b["conv_in"][j].view(B, T, C).to(old.dtype)], dim=1)   # [B, W+T, C]
-        idx = (a[:, None] + 1 + torch.arange(W, device=dev)[None, :])                               # [B, W]
-        win = torch.gather(xs, 1, idx[:, :, None].expand(B, W, C))                                # [B, W, C]
+        idx = windows.get((C, W))
+        if idx is None:
+            idx = (a[:, None] + 1 + torch.arange(W, device=dev)[None, :])[:, :, None].expand(B, W, C)
+            windows[(C, W)] = idx
+        win = torch.gather(xs, 1, idx)                                                              # [B, W, C]
         state.conv[j].index_copy_(0, slots, win.transpose(1, 2).contiguous())
 
 
