@@ -3,8 +3,8 @@
 Few columns run the GEMV kernels of kernels/cuda/gemv.cu (weights dequantised in registers, each
 weight byte read once for all the columns of a launch): bf16 up to GEMV_COLUMNS["bf16"], quantised
 weights up to 64 columns (the tensor-core kernels take 32 per launch). More columns (prefill)
-dequantise row slabs into a bf16 scratch with a kernel and call torch.matmul (cuBLAS). Everything launches on torch's current stream without host
-syncs, so it captures into CUDA graphs.
+dequantise row slabs into a bf16 scratch with a kernel and call torch.matmul (cuBLAS). Everything
+launches on torch's current stream without host syncs, so it captures into CUDA graphs.
 
     linear(x, w, out=None, residual=None)   w: bf16 [O, I] tensor or QuantWeight
     linear_swiglu(x, w_gate_up, out=None)   w_gate_up: [2F, I] (gate rows then up rows) -> [T, F]
@@ -205,15 +205,15 @@ def _gemv(x, w, out, residual, swiglu: bool):
     T = _check_x(x, I, dev)
     mode = 2 if swiglu else (1 if residual is not None else 0)
     Fh = O // 2 if swiglu else 0
-    step = launch_columns(kind, I)
+    d = L.device_of(x)
+    sms, step = L.sm_count(d), launch_columns(kind, I)
     for a in range(0, T, step):                       # columns in launches of up to `step`
         b = min(T, a + step)
-        r = route(O, I, b - a, kind, L.sm_count(L.device_of(x)), swiglu=swiglu)
-        fn = L.kernel("gemv", r["kernel"], L.device_of(x))
-        L.launch(fn, r["grid"], r["block"],
+        r = route(O, I, b - a, kind, sms, swiglu=swiglu)
+        L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
                  (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
                   O, I, b - a, r["ks"], mode, Fh, sb),
-                 device=L.device_of(x))
+                 device=d)
     return out
 
 

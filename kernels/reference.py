@@ -213,18 +213,11 @@ def paged_kv_write(k_pool: Tensor, v_pool: Tensor, page_table: Tensor, positions
     page_size = k_pool.shape[1]
     pages = page_table.long()[positions // page_size]
     offsets = positions % page_size
-    if k_scale is None:
-        k_pool[pages, offsets] = k.to(k_pool.dtype)
-    else:
-        qk, sk = quantize_kv_int8(k)
-        k_pool[pages, offsets] = qk
-        k_scale[pages, offsets] = sk
-    if v_scale is None:
-        v_pool[pages, offsets] = v.to(v_pool.dtype)
-    else:
-        qv, sv = quantize_kv_int8(v)
-        v_pool[pages, offsets] = qv
-        v_scale[pages, offsets] = sv
+    for pool, scale, x in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
+        if scale is None:
+            pool[pages, offsets] = x.to(pool.dtype)
+        else:
+            pool[pages, offsets], scale[pages, offsets] = quantize_kv_int8(x)
 
 
 def paged_kv_read(pool: Tensor, page_table: Tensor, length: int, scale: Tensor | None = None) -> Tensor:

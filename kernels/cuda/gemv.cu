@@ -346,9 +346,9 @@ GEMV_KERNEL(gemv_nvfp4h_t16, KIND_NVFP4H, 16)
 //
 // A warp owns a tile of 16 weight rows and multiplies it with mma.sync.m16n8k16 (bf16 in, fp32
 // accumulate): the weights are the A operand (16 rows x 16 k, decoded in registers), x the B operand
-// (16 k x 8 columns; columns >= T read column 0 and are never stored), so T = 1..8 cost the same and the multiply-adds leave
-// the CUDA cores. Lane (g = lane / 4, t = lane % 4) supplies A rows g and g+8 and B column g at the
-// k slots {2t, 2t+1, 2t+8, 2t+9} of every mma (PTX ISA fragment layout for m16n8k16 .bf16):
+// (16 k x 8 columns; columns >= T read column 0 and are never stored), so T = 1..8 cost the same and
+// the multiply-adds leave the CUDA cores. Lane (g = lane / 4, t = lane % 4) supplies A rows g and g+8
+// and B column g at the k slots {2t, 2t+1, 2t+8, 2t+9} of every mma (PTX ISA fragment layout for m16n8k16 .bf16):
 //   A reg0 = row g (k 2t, 2t+1)  reg1 = row g+8 (k 2t, 2t+1)  reg2 = row g (k 2t+8, 2t+9)  reg3 = row g+8 (k 2t+8, 2t+9)
 //   B reg0 = col g (k 2t, 2t+1)  reg1 = col g (k 2t+8, 2t+9)
 //   C c0, c1 = row g, cols 2t, 2t+1   c2, c3 = row g+8, cols 2t, 2t+1
@@ -673,8 +673,10 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
 
 // Two blocks per SM (<= 128 registers) up to two column tiles; four tiles need more registers than
 // that without spilling, so they run one block per SM.
-#define GEMV_TC_KERNEL(name, KIND, NB) \
-    extern "C" __global__ void __launch_bounds__(256, NB <= 2 ? 2 : 1) name(GEMV_ARGS) { gemv_tc_body<KIND, NB>(GEMV_PASS); }
+#define GEMV_TC_KERNEL(name, KIND, NB)                                        \
+    extern "C" __global__ void __launch_bounds__(256, NB <= 2 ? 2 : 1) name(GEMV_ARGS) { \
+        gemv_tc_body<KIND, NB>(GEMV_PASS);                                    \
+    }
 
 GEMV_TC_KERNEL(gemv_fp8row_tc, KIND_FP8ROW, 1)
 GEMV_TC_KERNEL(gemv_fp8blk_tc, KIND_FP8BLK, 1)

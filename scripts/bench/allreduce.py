@@ -16,6 +16,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -65,13 +66,15 @@ def _eager_us(torch, fn, x, per_graph: int, replays: int) -> list[float]:
     return out
 
 
-def _variant(v: str, default: tuple[int, int]) -> tuple[int, int]:
-    """'f3b16' -> (flags 3, grid cap 16); a part left out keeps the default."""
-    import re
-    m = re.fullmatch(r"(?:f(\d+))?(?:b(\d+))?", v)
-    if not m or not v:
-        raise ValueError(f"mailbox variant {v!r}: expected f<flags> and/or b<blocks>")
-    return (int(m.group(1)) if m.group(1) else default[0], int(m.group(2)) if m.group(2) else default[1])
+def _variants(text: str) -> list[tuple[str, int | None, int | None]]:
+    """'f3b16,b8' -> [('f3b16', flags 3, grid cap 16), ('b8', None, 8)]; None keeps the default."""
+    out = []
+    for v in text.split(","):
+        m = re.fullmatch(r"(?:f(\d+))?(?:b(\d+))?", v)
+        if not m or not v:
+            raise argparse.ArgumentTypeError(f"mailbox variant {v!r}: expected f<flags> and/or b<blocks>")
+        out.append((v, int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None))
+    return out
 
 
 def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) -> None:
@@ -95,7 +98,9 @@ def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) ->
             row = {"bytes": size}
             default = (mb.flags, mb.max_blocks)
             variants = [("nccl", nccl.all_reduce, True, None), ("mailbox", mb.all_reduce, True, default)]
-            variants += [(f"mailbox_{v}", mb.all_reduce, True, _variant(v, default)) for v in args.mailbox_variants]
+            variants += [(f"mailbox_{v}", mb.all_reduce, True,
+                          (default[0] if f is None else f, default[1] if b is None else b))
+                         for v, f, b in args.mailbox_variants]
             variants.append(("staged", staged.all_reduce, False, None))
             for name, fn, graph, conf in variants:
                 if conf is not None:
@@ -123,7 +128,7 @@ def main() -> int:
                     help="payload bytes (bf16), comma-separated")
     ap.add_argument("--per-graph", type=int, default=100)
     ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--mailbox-variants", type=lambda s: s.split(","), default=[],
+    ap.add_argument("--mailbox-variants", type=_variants, default=[],
                     help="also time mailbox kernel variants, comma-separated: f<MB_FLAG_* set> and/or "
                          "b<grid cap in blocks>, e.g. f1,f2,b16,f2b16")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -190,13 +195,13 @@ def main() -> int:
               f"{m['gbps']:>6.2f} {m['x_nccl']:>6.2f} | {s['rank0_us']:>7.1f}/{s['rank1_us']:<7.1f} "
               f"{s['gbps']:>6.2f} {s['x_nccl']:>6.2f}")
     if args.mailbox_variants:
+        names = [v for v, _, _ in args.mailbox_variants]
         print("mailbox kernel variants (f: flags, 1 fence after publishing, 2 hang word polled by lane 0 only; "
               "b: grid cap), us per exchange (max of the ranks)")
-        print(f"{'bytes':>8} | " + " ".join(f"{v:>8}" for v in args.mailbox_variants))
+        print(f"{'bytes':>8} | " + " ".join(f"{v:>8}" for v in names))
         for r0, r1, row in zip(out[0]["rows"], out[1]["rows"], rows):
-            row["mailbox_variants"] = {v: max(r0[f"mailbox_{v}"], r1[f"mailbox_{v}"]) for v in args.mailbox_variants}
-            print(f"{row['bytes']:>8} | " + " ".join(f"{row['mailbox_variants'][v]:>8.2f}"
-                                                     for v in args.mailbox_variants))
+            row["mailbox_variants"] = {v: max(r0[f"mailbox_{v}"], r1[f"mailbox_{v}"]) for v in names}
+            print(f"{row['bytes']:>8} | " + " ".join(f"{row['mailbox_variants'][v]:>8.2f}" for v in names))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), per_graph=args.per_graph, replays=args.replays,

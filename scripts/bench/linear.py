@@ -87,8 +87,8 @@ def main(argv=None) -> int:
                 for ks in [None] + args.ks:
                     cl.FORCE_KS = ks
                     t = graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False))
-                    rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl="gemv" if ks is None else f"gemv_ks{ks}",
-                                     s=t, of_floor=floor / t))
+                    impl = "gemv" if ks is None else f"gemv_ks{ks}"
+                    rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl=impl, s=t, of_floor=floor / t))
                 cl.FORCE_KS = None
             t = graph_time(lambda: torch.matmul(x, w.t(), out=out))
             floor = cl.bytes_read(O, I, T, "bf16") / bw
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
             print(f"{name:12s} {T:3d} " + " ".join(f"{c:>14s}" for c in cells))
     if args.ks:
         print("GEMV with the I-split forced (% of floor; 'route' = the route table's choice)")
-        print(f"{'layer':12s} {'T':>3s} {'kind':>8s} {'route':>6s} " + " ".join(f"{'ks' + str(k):>6s}" for k in args.ks))
+        print(f"{'layer':12s} {'T':>3s} {'kind':>8s} {'route':>6s} "
+              + " ".join(f"{'ks' + str(k):>6s}" for k in args.ks))
         for name, O, I in SHAPES[args.model]:
             for T in args.columns:
                 for kind in args.kinds:
