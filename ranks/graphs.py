@@ -12,6 +12,9 @@ one memory pool; their outputs stay valid until the next step of the same key. A
 are kept: capturing one more retires the least recently replayed. Graphs hold raw pointers into
 one ModelState: a step on another state retires them all.
 
+`run_keyed` is the same machinery for any program of device ops over one metadata buffer: a whole
+greedy speculation round (ranks/spec_cuda.py) is captured through it, keyed apart from the steps.
+
 `--no-cuda-graph` (EngineOptions.cuda_graphs = False) runs every step eagerly.
 """
 
@@ -20,10 +23,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from ranks.model import Batch, StepOutput
+from runtime.config import PAGE_SIZE as PAGE_TOKENS
+
+Tensor = torch.Tensor
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +39,7 @@ log = logging.getLogger(__name__)
 class Captured:
     graph: torch.cuda.CUDAGraph
     storage: torch.Tensor          # static metadata input (int32)
-    out: StepOutput
+    out: Any                       # the program's outputs (a StepOutput for decode and verification)
     replays: int = 0
 
 
@@ -62,6 +69,25 @@ class GraphRunner:
         """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the
         first time a key is seen; None = not graphable (the caller runs it). keep: a verification
         step (the output's KeptColumns is the template: forward fills in the sequences)."""
+        from ranks.model_cuda import DeviceBatch
+        key = self.key(batch, state, logits, keep)
+        if key is None:
+            return None
+        B, T, P = key[0], key[1], key[2]
+        out = self.run_keyed(
+            key, state, DeviceBatch.words(B, B * T, P),
+            lambda storage: self.model.device_batch(batch, P, storage=storage).storage,
+            lambda storage: self.model.fast_forward(DeviceBatch.on(storage, B, B * T, P, P * PAGE_TOKENS), state,
+                                                    logits, keep_T=T if keep else None))
+        return None if out is None else StepOutput(out.hidden, out.logits, out.kept)
+
+    def run_keyed(self, key: tuple, state, words: int, upload: Callable[[Tensor | None], Tensor],
+                  program: Callable[[Tensor], Any]) -> Any:
+        """The graph machinery for any program of device ops over one int32 metadata buffer:
+        upload(storage) copies this call's metadata into `storage` (None: a new buffer) and returns
+        it; program(storage) enqueues the work and returns its outputs (tensors that a replay
+        rewrites). The first call of a key runs eagerly, the second captures, later ones upload and
+        replay. None = the key failed to capture before (the caller runs it eagerly)."""
         if state is not self.state:
             # graphs hold raw pointers into one state's pools and slots: a new state (a new
             # LocalGenerator request, a test) retires every graph of the old one
@@ -69,37 +95,32 @@ class GraphRunner:
             self.seen.clear()
             self.failed.clear()
             self.state = state
-        key = self.key(batch, state, logits, keep)
-        if key is None or key in self.failed:
+        if key in self.failed:
             return None
         cap = self.graphs.get(key)
         if cap is None:
             if key not in self.seen:
-                # eager, on the capture stream and with the graph's page-table width: the same kernels
+                # eager, on the capture stream and with the graph's metadata shapes: the same kernels
                 # (attention splits included) get loaded now, since loading one during a capture
                 # invalidates it
                 self.seen.add(key)
-                db = self.model.device_batch(batch, key[2])
-                return self._on_side(lambda: self._program(db, state, logits, key))
+                storage = upload(None)
+                return self._on_side(lambda: program(storage))
             while len(self.graphs) >= self.max_graphs:   # bounded: retire the least recently replayed
                 self.graphs.popitem(last=False)
             try:
-                cap = self._capture(key, state, logits)
+                cap = self._capture(key, words, program)
             except Exception:                        # noqa: BLE001 - a capture failure costs speed, not the step
-                log.warning("CUDA graph capture failed for B=%d T=%d pages<=%d; that shape runs eagerly",
-                            key[0], key[1], key[2], exc_info=True)
+                log.warning("CUDA graph capture failed for %s; that shape runs eagerly", key, exc_info=True)
                 self.failed.add(key)
                 torch.cuda.synchronize(self.model.device)
                 return None
         self.graphs.move_to_end(key)
-        self.model.device_batch(batch, key[2], storage=cap.storage)
+        upload(cap.storage)
         cap.graph.replay()
         cap.replays += 1
         self.replays += 1
-        return StepOutput(cap.out.hidden, cap.out.logits, cap.out.kept)
-
-    def _program(self, db, state, logits: str, key: tuple) -> StepOutput:
-        return self.model.fast_forward(db, state, logits, keep_T=key[1] if key[5] else None)
+        return cap.out
 
     def _on_side(self, fn):
         cur = torch.cuda.current_stream(self.model.device)
@@ -109,20 +130,15 @@ class GraphRunner:
         cur.wait_stream(self.stream)
         return out
 
-    def _capture(self, key: tuple, state, logits: str) -> Captured:
-        from ranks.model_cuda import DeviceBatch
-        B, T, P = key[0], key[1], key[2]
-        N = B * T
+    def _capture(self, key: tuple, words: int, program: Callable[[Tensor], Any]) -> Captured:
         m = self.model
-        storage = torch.zeros(DeviceBatch.words(B, N, P), dtype=torch.int32, device=m.device)
-        db = DeviceBatch.on(storage, B, N, P, P * 64)
+        storage = torch.zeros(words, dtype=torch.int32, device=m.device)
         torch.cuda.synchronize(m.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="relaxed"):
-            out = self._program(db, state, logits, key)
+            out = program(storage)
         cap = Captured(graph, storage, out)
         self.graphs[key] = cap
         self.captures += 1
-        log.debug("captured a CUDA graph for B=%d T=%d pages<=%d logits=%s (%d graphs)", B, T, P, logits,
-                  len(self.graphs))
+        log.debug("captured a CUDA graph for %s (%d graphs)", key, len(self.graphs))
         return cap

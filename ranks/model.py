@@ -106,8 +106,17 @@ def commit_batched(kept: KeptColumns, state: ModelState, accepted: list[int]) ->
     if not b["states"]:
         return
     dev = b["states"][0].device
-    a = torch.tensor(accepted, dtype=torch.long, device=dev)
-    slots = torch.tensor(kept.slots, dtype=torch.long, device=dev)
+    commit_rows(b, state, torch.tensor(kept.slots, dtype=torch.long, device=dev),
+                torch.tensor(accepted, dtype=torch.long, device=dev))
+
+
+def commit_rows(b: dict, state: ModelState, slots: Tensor, a: Tensor) -> None:
+    """The device part of commit_batched: `slots` and accepted lengths `a` [B] (int64) already on the
+    device, so a whole speculation round can run (and be captured) without the host knowing `a`."""
+    T, B = b["T"], slots.shape[0]
+    if not b["states"]:
+        return
+    dev = b["states"][0].device
     rows = torch.arange(B, device=dev) * T + a
     windows: dict[tuple[int, int], Tensor] = {}                 # (C, W) -> gather index [B, W, C], built once
     for j in range(len(b["states"])):

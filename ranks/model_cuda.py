@@ -238,11 +238,16 @@ class CudaHybridModel(HybridModel):
         x, m = cm.add_rms_norm(x, y, w["mtp.norm.weight"], eps)
         return StepOutput(m, self._fast_logits(m, db, logits))
 
-    def device_batch(self, batch: Batch, P: int | None = None, storage: Tensor | None = None) -> DeviceBatch:
-        """Upload a batch's metadata (one copy through a pinned buffer)."""
+    def device_batch(self, batch: Batch, P: int | None = None, storage: Tensor | None = None,
+                     extra: np.ndarray | None = None) -> DeviceBatch:
+        """Upload a batch's metadata (one copy through a pinned buffer); `extra` int32 words follow
+        the batch's in the same copy (a speculation round's stop ids)."""
         P = P or pages_needed(batch)
         B, N = len(batch.columns), sum(batch.columns)
-        host = torch.from_numpy(DeviceBatch.pack(batch, P))
+        packed = DeviceBatch.pack(batch, P)
+        if extra is not None:
+            packed = np.concatenate([packed, np.asarray(extra, dtype=np.int32).reshape(-1)])
+        host = torch.from_numpy(packed)
         if self._meta_pinned is None or self._meta_pinned.numel() < host.numel():
             self._meta_pinned = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int32, pin_memory=True)
             self._meta_copied = None

@@ -90,6 +90,13 @@ class Worker:
             # per-column GDN states of a verification step, for every slot: allocated once, up front
             self.keep_bytes = self.model.reserve_verification(hello.num_slots * (self.spec_k + 1))
         self.stops: dict[int, frozenset[int]] = {}
+        # greedy rounds as one GPU program (ranks/spec_cuda.py); TANDEM_SPEC_GPU_ROUNDS=0 keeps every
+        # round on the eager path (for comparisons)
+        self.gpu_rounds = None
+        if self.spec_k and backend == "cuda" and os.environ.get("TANDEM_SPEC_GPU_ROUNDS", "1") != "0":
+            from ranks.spec_cuda import GpuRounds
+            self.gpu_rounds = GpuRounds(self.model, self.spec_k, self.rank, self.tp)
+        self._gpu_round_s = np.zeros(2)                  # host seconds of GPU rounds: launch, wait
         if backend == "cuda":
             from ranks.model_cuda import weight_bytes
             self.weight_bytes = weight_bytes(self.model.w)
@@ -104,6 +111,8 @@ class Worker:
             runtime.update(transport=self.transport.name, probe_us=self.transport.probe_us)
         if getattr(self.model, "graphs", None) is not None:
             runtime["cuda_graphs"] = True
+        if self.spec_k:
+            runtime["spec_rounds"] = "gpu" if self.gpu_rounds is not None else "eager"
         return msg.Ready(rank=self.rank, ok=True, pid=os.getpid(), shard=shard, weight_bytes=self.weight_bytes,
                          runtime=runtime,
                          state_bytes=self.state.nbytes() + self.keep_bytes, has_mtp=self.model.has_mtp)
@@ -166,6 +175,12 @@ class Worker:
             self.samplers[sid].observe(tokens[lo:hi - ndraft[b]].tolist(), starts[b])
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
                       torch.from_numpy(plan.page_tables.astype(np.int32)))
+        if self.gpu_rounds is not None:
+            smp = [self.samplers[sid] for sid in seq_ids]
+            stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
+            if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),
+                                        [s.greedy and not s.has_penalties for s in smp], kv_tokens, stops):
+                return self._gpu_round(plan, batch, stops, t0)
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
         t_fwd = time.perf_counter()
         if self.transport is not None:
@@ -252,6 +267,31 @@ class Worker:
                               tokens=np.array(toks, dtype=np.int64),
                               counts=np.array([len(accepted[b]) for b in rows], dtype=np.int32),
                               drafts=np.array([drafts[b] for b in rows], dtype=np.int64).reshape(len(rows), self.spec_k),
+                              elapsed_s=time.perf_counter() - t0)
+
+    def _gpu_round(self, plan: msg.StepPlan, batch: Batch, stops: list[list[int]], t0: float) -> msg.StepResult | None:
+        """A greedy round as one GPU program (ranks/spec_cuda.py): the host uploads the plan's
+        metadata, launches (or replays) it, and waits once for [targets, a, drafts] per sequence."""
+        K = self.spec_k
+        res = self.gpu_rounds.run(batch, self.state, stops)
+        t1 = time.perf_counter()
+        if self.transport is not None:
+            self.transport.check()                      # a peer's hang shows here, not as garbage
+        for sid in plan.finished:
+            self.samplers.pop(int(sid), None)
+            self.stops.pop(int(sid), None)
+        self._gpu_round_s += (t1 - t0, time.perf_counter() - t1)
+        if self.gpu_rounds.rounds % 256 == 0:
+            ms = self._gpu_round_s / 256 * 1e3
+            log.debug("rank %d: GPU speculation round %.2f ms on the host (mean of 256): launch and wait %.2f, "
+                      "results %.2f", self.rank, ms.sum(), *ms)
+            self._gpu_round_s[:] = 0
+        if self.rank != 0:
+            return None
+        counts = res[:, K + 1] + 1                      # accepted drafts + the correction / bonus
+        toks = np.concatenate([res[b, :counts[b]] for b in range(len(counts))])
+        return msg.StepResult(step=plan.step, seq_ids=plan.seq_ids.astype(np.int64), tokens=toks.astype(np.int64),
+                              counts=counts.astype(np.int32), drafts=np.ascontiguousarray(res[:, K + 2:]),
                               elapsed_s=time.perf_counter() - t0)
 
     def _time_phases(self, *marks: float) -> None:

@@ -238,9 +238,51 @@ def test_speculation_on_the_cuda_backend_keeps_greedy_output(draft_tokens):
             assert engine.stats()["ranks"][0]["backend"] == "cuda"
             if k:
                 stats = evs[-1].spec
+                assert engine.stats()["ranks"][0]["spec_rounds"] == "gpu"
     assert outs[1] == outs[0]
     assert stats["rounds"] > 0 and stats["accepted"] > 0
     print(f"K={draft_tokens}: {stats['tokens_per_round']:.2f} tokens per round on the CUDA backend")
+
+
+def test_gpu_rounds_equal_eager_rounds_with_stops_and_concurrency(monkeypatch):
+    """Greedy rounds as one GPU program (ranks/spec_cuda.py) and the eager round emit the same ids as
+    plain decoding for two requests at once that end on their stop token (inside a round), with a
+    draft hook that makes drafts right half of the time."""
+    from ranks.demo import default_model_dir
+    from runtime import Engine, EngineOptions, SamplingParams
+    from runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(default_model_dir())
+    prompts = [tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+                          "<think>\n\n</think>\n\n"), tok.encode("def fibonacci(n):\n")]
+    params = [SamplingParams(temperature=0, max_new_tokens=24), SamplingParams(temperature=0, max_new_tokens=40)]
+
+    def hook(seq, drafts):                         # every other draft replaced by a wrong id
+        return [d if (seq.id + i) % 2 == 0 or d < 0 else (d + 1) % 1000 for i, d in enumerate(drafts)]
+
+    def generate(k, gpu_rounds):
+        monkeypatch.setenv("TANDEM_SPEC_GPU_ROUNDS", "1" if gpu_rounds else "0")
+        opts = EngineOptions(max_concurrency=2, spec_draft_tokens=k, spec_draft_hook=hook if k else None)
+        with Engine.start(default_model_dir(), tp=1, device="cuda", dtype="bfloat16", options=opts) as engine:
+            import threading
+            outs, reasons = [None, None], [None, None]
+
+            def one(i):
+                evs = list(engine.submit(prompts[i], params[i]))
+                assert not evs[-1].error, evs[-1].error
+                outs[i], reasons[i] = sum((e.tokens for e in evs), []), evs[-1].finish_reason
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if k:
+                assert engine.stats()["ranks"][0]["spec_rounds"] == ("gpu" if gpu_rounds else "eager")
+            return outs, reasons
+    plain, reasons = generate(0, False)
+    assert reasons[0] == "stop", "the first prompt should end on its stop token"
+    for k in (1, 3):
+        assert generate(k, True)[0] == plain, f"GPU rounds, K={k}"
+    assert generate(3, False)[0] == plain, "eager rounds, K=3"
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])

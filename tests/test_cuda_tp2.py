@@ -17,12 +17,12 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-def _generate(tp, transport="auto"):
+def _generate(tp, transport="auto", spec=0):
     from ranks.demo import default_model_dir
     from runtime import Engine, EngineOptions, SamplingParams
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(default_model_dir())
-    opts = EngineOptions(max_concurrency=2, transport=transport)
+    opts = EngineOptions(max_concurrency=2, transport=transport, spec_draft_tokens=spec)
     with Engine.start(default_model_dir(), tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
         outs = []
         for p in PROMPTS:
@@ -57,4 +57,13 @@ def test_auto_falls_back_to_copies_when_the_probe_is_slow(tp1, monkeypatch):
     ids, ranks = _generate(2, "auto")
     assert [r["transport"] for r in ranks.values()] == ["copies", "copies"]
     assert all(r["probe_us"] > 0 for r in ranks.values())
+    assert ids == tp1
+
+
+@pytest.mark.parametrize("transport", ["mailbox", "nccl"])
+def test_tp2_speculation_equals_tp1(tp1, transport):
+    """MTP rounds at tp 2 (GPU rounds: the vocabulary shards' argmax merged by one all-reduce inside
+    the captured round) give tp 1's plain greedy ids."""
+    ids, ranks = _generate(2, transport, spec=3)
+    assert [r["spec_rounds"] for r in ranks.values()] == ["gpu", "gpu"]
     assert ids == tp1

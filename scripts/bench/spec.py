@@ -3,7 +3,8 @@
 against plain decoding, per concurrency.
 
     python scripts/bench/spec.py --device cuda --draft-tokens 0 1 2 3 4 5 --concurrency 1 4 8 --out spec.json
-    python scripts/bench/spec.py --device cuda --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1
+    python scripts/bench/spec.py --device cuda --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 \
+        --rounds gpu eager
 
 --model demo (default) runs the embedded model with its trained MTP head (real acceptance, greedy
 chat-like prompts from its tokenizer); a preset name (27b, 35b-a3b, ...) runs random weights built on
@@ -36,8 +37,10 @@ PROMPTS = ["def fibonacci(n):\n", "<|im_start|>user\nWhat is the capital of Fran
 
 
 def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: str, k: int, C: int,
-        new_tokens: int, random_weights: bool, log_level: str = "WARNING") -> dict:
-    opts = EngineOptions(max_concurrency=C, spec_draft_tokens=k, random_weights=random_weights,
+        new_tokens: int, random_weights: bool, log_level: str = "WARNING", rounds: str = "gpu",
+        weights: str = "bf16") -> dict:
+    os.environ["TANDEM_SPEC_GPU_ROUNDS"] = "1" if rounds == "gpu" else "0"      # the ranks inherit it
+    opts = EngineOptions(weights=weights, max_concurrency=C, spec_draft_tokens=k, random_weights=random_weights,
                          max_context=max(map(len, prompts)) + new_tokens + 16, startup_timeout_s=900,
                          log_level=log_level)
     with Engine.start(model_dir, tp=tp, device=device, dtype=dtype, options=opts) as engine:
@@ -63,7 +66,7 @@ def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: s
     rounds = max((f.spec or {}).get("rounds", 0) or (new_tokens - 1) for f in finals)
     per_round = (sum((f.spec or {}).get("tokens_per_round") or 1.0 for f in finals) / C)
     decode_tokens = C * (new_tokens - 1)
-    return dict(K=k, C=C, tokens_per_round=per_round, round_s=(last - first) / rounds,
+    return dict(K=k, C=C, rounds=rounds if k else "-", tokens_per_round=per_round, round_s=(last - first) / rounds,
                 decode_tok_s=decode_tokens / (last - first), per_request_tok_s=(new_tokens - 1) / (last - first))
 
 
@@ -78,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", nargs="+", default=["gpu"], choices=["gpu", "eager"],
+                    help="greedy rounds as one GPU program (the default) and/or the eager round")
+    ap.add_argument("--weights", default="bf16", help="bf16, fp8, fp8-block or nvfp4 (random presets)")
     ap.add_argument("--log-level", default="WARNING",
                     help="the ranks' log level (DEBUG shows where a round's host time goes)")
     args = ap.parse_args(argv)
@@ -96,19 +102,19 @@ def main(argv=None) -> int:
             json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
         rng = random.Random(0)
         prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(64)] for _ in range(8)]
-    res = dict(model=args.model, tp=args.tp, device=args.device, dtype=dtype, date=time.strftime("%Y-%m-%d"), runs=[])
+    res = dict(model=args.model, weights=args.weights, tp=args.tp, device=args.device, dtype=dtype, date=time.strftime("%Y-%m-%d"), runs=[])
     base: dict[int, float] = {}
-    print(f"{'K':>2s} {'C':>3s} {'tok/round':>9s} {'round ms':>9s} {'tok/s':>8s} {'per req':>8s} {'round/step':>10s}")
+    print(f"{'K':>2s} {'C':>3s} {'rounds':>6s} {'tok/round':>9s} {'round ms':>9s} {'tok/s':>8s} {'per req':>8s} {'round/step':>10s}")
     for C in args.concurrency:
-        for k in args.draft_tokens:
+        for k, mode in [(k, m) for k in args.draft_tokens for m in (args.rounds if k else ["-"])]:
             r = run(model_dir, prompts, args.tp, args.device, dtype, k, C, args.new_tokens, random_weights,
-                    args.log_level)
+                    args.log_level, mode, args.weights)
             if k == 0:
                 base[C] = r["round_s"]
             r["round_over_step"] = r["round_s"] / base[C] if C in base else None
             res["runs"].append(r)
             ratio = f"{r['round_over_step']:10.2f}" if r["round_over_step"] else f"{'':>10s}"
-            print(f"{k:2d} {C:3d} {r['tokens_per_round']:9.2f} {r['round_s'] * 1e3:9.2f} {r['decode_tok_s']:8.1f} "
+            print(f"{k:2d} {C:3d} {mode:>6s} {r['tokens_per_round']:9.2f} {r['round_s'] * 1e3:9.2f} {r['decode_tok_s']:8.1f} "
                   f"{r['per_request_tok_s']:8.1f} {ratio}", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,0 +1,69 @@
+"""The pieces of the GPU speculation round (ranks/spec_cuda.py) that need no GPU: the batched
+acceptance rule against ranks.sampler.accept_greedy plus the worker's stop cut, the vocabulary-shard
+argmax merge against the argmax of the whole row (ties to the lower id), and which rounds qualify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ranks.model import Batch
+from ranks.sampler import accept_greedy
+from ranks.spec_cuda import GpuRounds, accepted_lengths, merge_candidates, shard_candidates
+from tests.util import page_table
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+def test_accepted_lengths_equal_accept_greedy_with_stops(K, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, V, S = 64, 7, 3                       # a small vocabulary: matches and stops are frequent
+    targets = torch.randint(0, V, (B, K + 1), generator=g)
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    # make long accepted prefixes common: copy a random-length prefix of the targets
+    for b in range(B):
+        n = int(torch.randint(0, K + 1, (1,), generator=g))
+        drafts[b, :n] = targets[b, :n]
+    stops = torch.randint(-1, V, (B, S), generator=g)
+    stops[: B // 4] = -1                     # some sequences without stops
+    got = accepted_lengths(targets, drafts, stops)
+    seen = set()
+    for b in range(B):
+        acc = accept_greedy(targets[b].tolist(), drafts[b].tolist())
+        stop = {int(t) for t in stops[b] if t >= 0}
+        cut = next((i for i, t in enumerate(acc) if t in stop), None)
+        want = len(acc) - 1 if cut is None else cut
+        assert int(got[b]) == want, (b, targets[b].tolist(), drafts[b].tolist(), stops[b].tolist())
+        seen.add(want)
+    assert seen == set(range(K + 1))         # every accepted length was exercised
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_shard_argmax_merge_equals_the_whole_row(tp, seed):
+    g = torch.Generator().manual_seed(seed)
+    R, n = 40, 11
+    # bf16 logits with few distinct values: ties inside a shard and across shards
+    full = (torch.randint(-4, 5, (R, n * tp), generator=g).float() / 4).to(torch.bfloat16)
+    buf = sum(shard_candidates(full[:, r * n:(r + 1) * n], r, tp) for r in range(tp))
+    got = merge_candidates(buf)
+    want = torch.argmax(full.float(), dim=-1)                 # the first maximum: ties to the lower id
+    assert torch.equal(got, want)
+    maxima = (full.float() == full.float().max(-1, keepdim=True).values).sum(-1)
+    assert (maxima > 1).any(), "the data should contain ties"
+
+
+def test_eligibility():
+    """Only greedy rounds where every sequence drafts K tokens and has pages for its last draft."""
+    r = GpuRounds.__new__(GpuRounds)
+    r.K = 3
+    tables = page_table(2, 2)
+    batch = Batch(torch.arange(8), [4, 4], [10, 60], [0, 1], tables)
+    ok = dict(ndraft=[3, 3], sample=[True, True], greedy=[True, True], kv_tokens=[128, 128], stops=[[1], []])
+    assert r.eligible(batch, **ok)
+    assert r.pages(batch) == 2                                  # 60 + 6 needs two pages of 64
+    assert not r.eligible(batch, **{**ok, "ndraft": [3, 2]})
+    assert not r.eligible(batch, **{**ok, "greedy": [True, False]})
+    assert not r.eligible(batch, **{**ok, "sample": [True, False]})
+    assert not r.eligible(batch, **{**ok, "kv_tokens": [128, 65]})        # position 65 has no page
+    assert r.eligible(batch, **{**ok, "kv_tokens": [128, 66]})
+    assert not r.eligible(batch, **{**ok, "stops": [list(range(65)), []]})
+    assert not r.eligible(Batch(torch.arange(7), [4, 3], [10, 60], [0, 1], tables), **ok)
