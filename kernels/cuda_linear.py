@@ -282,6 +282,8 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
     O, I = _shape(w)
     dev = w.data.device if isinstance(w, QuantWeight) else w.device
     T = _check_x(x, I, dev)
+    if out is None and residual is None and T > GEMV_COLUMNS[_kind_of(w)]:
+        return _prefill(x, w)                          # cuBLAS's own output: no copy
     out = _out(out, (T, O), dev)
     if residual is not None:
         residual = _out(residual, (T, O), dev, "residual")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,10 +48,15 @@ MAX_STOPS = 64          # stop ids per sequence a captured round carries (more: 
 class GpuRounds:
     """Greedy speculation rounds of one rank, on device ops (graphed when the model has graphs)."""
 
-    def __init__(self, model: CudaHybridModel, K: int, rank: int, tp: int):
+    def __init__(self, model: CudaHybridModel, K: int, rank: int, tp: int, draft_vocab: int = 0):
+        """draft_vocab N > 0: drafts come from a reduced proposal head, the lm_head rows of token ids
+        below N (draft_head_rows): a byte-level BPE vocabulary numbers its tokens in merge order, which
+        follows their frequency, so the low ids are the common tokens; 0 = the whole head."""
         if not 1 <= K <= 15:
             raise ValueError(f"draft tokens {K} outside 1..15")
         self.model, self.K, self.rank, self.tp = model, K, rank, tp
+        self.shard_rows = model.head.shape[0]
+        self.draft_rows = draft_head_rows(draft_vocab, rank, self.shard_rows)
         self._host: Tensor | None = None
         self.rounds = 0
 
@@ -70,10 +75,12 @@ class GpuRounds:
                 and batch.page_tables.shape[1] * PAGE_SIZE >= max(st + 2 * K for st in batch.starts))
 
     @torch.inference_mode()
-    def run(self, batch: Batch, state, stops: Sequence[Sequence[int]]) -> np.ndarray:
+    def run(self, batch: Batch, state, stops: Sequence[Sequence[int]],
+            mark: Callable[[str], None] | None = None) -> np.ndarray:
         """One round for every sequence of `batch` ([x, d1..dK] columns each); returns int64
         [B, 2K + 2]: the target argmax after each column (T), the accepted draft count a, and the
-        next round's K drafts. The tokens emitted are targets[:a + 1]. Collective across ranks."""
+        next round's K drafts. The tokens emitted are targets[:a + 1]. Collective across ranks.
+        mark(label): diagnostics (the worker's StepProfiler), called once launched and once synchronised."""
         m, K = self.model, self.K
         B, T = len(batch.columns), K + 1
         P = self.pages(batch)
@@ -101,7 +108,11 @@ class GpuRounds:
                 self._host = torch.empty(max(out.numel(), 256), dtype=torch.int32, pin_memory=True)
             host = self._host[:out.numel()]
             host.copy_(out.view(-1), non_blocking=True)
+            if mark is not None:
+                mark("launched")
             torch.cuda.current_stream().synchronize()
+            if mark is not None:
+                mark("synced")
         self.rounds += 1
         return host.numpy().astype(np.int64).reshape(B, 2 * K + 2)
 
@@ -118,7 +129,7 @@ class GpuRounds:
         ids = targets.reshape(-1).to(torch.int32)
         mtp = m.fast_mtp(dataclasses.replace(db, ids=ids), out.hidden, state, logits="none").hidden
         h = mtp.index_select(0, torch.arange(B, device=dev) * T + a)                  # [B, E] at column a
-        d = self.argmax(m.head_logits(h))
+        d = self.draft_argmax(h)
         proposed = [d]
         if K > 1:
             one = torch.arange(B, device=dev, dtype=torch.int32)
@@ -130,7 +141,7 @@ class GpuRounds:
             for j in range(1, K):
                 step = dataclasses.replace(step, ids=d.to(torch.int32), positions=last + j)
                 h = m.fast_mtp(step, h, state, logits="none").hidden
-                d = self.argmax(m.head_logits(h))
+                d = self.draft_argmax(h)
                 proposed.append(d)
         return torch.cat([targets, a[:, None], torch.stack(proposed, dim=1)], dim=1).to(torch.int32)
 
@@ -141,6 +152,33 @@ class GpuRounds:
             return torch.argmax(logits.float(), dim=-1)
         buf = shard_candidates(logits, self.rank, self.tp)
         return merge_candidates(self.model.all_reduce(buf.view(-1)).view(buf.shape))
+
+    def draft_argmax(self, h: Tensor) -> Tensor:
+        """The draft after MTP hidden rows h [R, E]: the argmax of the whole head, or of the reduced
+        proposal head (this rank's rows below the draft vocabulary bound; a rank with none offers
+        -FLT_MAX, which x + 0 keeps finite in the merge)."""
+        m = self.model
+        if self.draft_rows is None:
+            return self.argmax(m.head_logits(h))
+        if self.draft_rows:
+            logits = m._linear(h, m.head[:self.draft_rows])
+            if self.tp == 1:
+                return torch.argmax(logits.float(), dim=-1)
+            buf = shard_candidates(logits, self.rank, self.tp, offset=self.rank * self.shard_rows)
+        else:
+            buf = torch.zeros(self.tp, h.shape[0], 2, dtype=torch.float32, device=h.device)
+            buf[self.rank, :, 0] = -torch.finfo(torch.float32).max
+        return merge_candidates(m.all_reduce(buf.view(-1)).view(buf.shape))
+
+
+def draft_head_rows(draft_vocab: int, rank: int, shard_rows: int) -> int | None:
+    """Rows of this rank's vocabulary shard (ids rank * shard_rows ...) that the reduced proposal head
+    keeps: those below draft_vocab; None = the whole head (draft_vocab 0, or not below the vocabulary)."""
+    if draft_vocab < 0:
+        raise ValueError(f"draft vocabulary {draft_vocab} must be >= 0 (0 = the whole head)")
+    if draft_vocab == 0:
+        return None
+    return max(0, min(shard_rows, draft_vocab - rank * shard_rows))
 
 
 def accepted_lengths(targets: Tensor, drafts: Tensor, stops: Tensor) -> Tensor:
@@ -156,17 +194,17 @@ def accepted_lengths(targets: Tensor, drafts: Tensor, stops: Tensor) -> Tensor:
     return torch.minimum(matched, first_stop)
 
 
-def shard_candidates(logits: Tensor, rank: int, tp: int) -> Tensor:
+def shard_candidates(logits: Tensor, rank: int, tp: int, offset: int | None = None) -> Tensor:
     """This rank's argmax candidate per row, float32 (value, global id), in its own slot of an
     otherwise zero [tp, R, 2] buffer: an all-reduce (sum; x + 0 = x exactly, ids < 2^24 exact in
     float32) then gives every rank every rank's candidate. Values are float32 of the 16-bit logits,
-    as the host sampler compares them."""
+    as the host sampler compares them. offset: the global id of row 0 (default rank * rows)."""
     x = logits.float()
     R, n = x.shape
     idx = torch.argmax(x, dim=-1)                           # the first maximum: the lower id
     buf = torch.zeros(tp, R, 2, dtype=torch.float32, device=x.device)
     buf[rank, :, 0] = x.gather(1, idx[:, None])[:, 0]
-    buf[rank, :, 1] = (idx + rank * n).float()
+    buf[rank, :, 1] = (idx + (rank * n if offset is None else offset)).float()
     return buf
 
 

@@ -80,6 +80,10 @@ class Worker:
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
+        # the reduced proposal head: drafts only among token ids below this (0 = the whole vocabulary)
+        self.draft_vocab = int(hello.options.get("spec_draft_vocab", 0) or 0)
+        from ranks.spec_cuda import draft_head_rows
+        self.draft_rows = draft_head_rows(self.draft_vocab, self.rank, self.model.head.shape[0])
         self._phases = np.zeros(4)                       # host seconds per speculation phase, summed
         self._phase_rounds = 0
         if self.spec_k and not self.model.has_mtp:
@@ -90,12 +94,13 @@ class Worker:
             # per-column GDN states of a verification step, for every slot: allocated once, up front
             self.keep_bytes = self.model.reserve_verification(hello.num_slots * (self.spec_k + 1))
         self.stops: dict[int, frozenset[int]] = {}
+        self.profiler: StepProfiler | None = None          # diagnostics (TANDEM_PROFILE_DIR)
         # greedy rounds as one GPU program (ranks/spec_cuda.py); TANDEM_SPEC_GPU_ROUNDS=0 keeps every
         # round on the eager path (for comparisons)
         self.gpu_rounds = None
         if self.spec_k and backend == "cuda" and os.environ.get("TANDEM_SPEC_GPU_ROUNDS", "1") != "0":
             from ranks.spec_cuda import GpuRounds
-            self.gpu_rounds = GpuRounds(self.model, self.spec_k, self.rank, self.tp)
+            self.gpu_rounds = GpuRounds(self.model, self.spec_k, self.rank, self.tp, self.draft_vocab)
         self._gpu_round_s = np.zeros(2)                  # host seconds of GPU rounds: launch, wait
         if backend == "cuda":
             from ranks.model_cuda import weight_bytes
@@ -132,7 +137,11 @@ class Worker:
             at += c
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
                       torch.from_numpy(plan.page_tables.astype(np.int32)))
+        if self.profiler is not None:
+            self.profiler.mark("prepared")
         out = self.model.forward(batch, self.state, logits="last")
+        if self.profiler is not None:
+            self.profiler.mark("launched")
         if self.transport is not None:
             self.transport.check()                      # a peer's hang shows here, not as garbage
         rows = [b for b, flag in enumerate(plan.sample.tolist()) if flag]
@@ -273,7 +282,7 @@ class Worker:
         """A greedy round as one GPU program (ranks/spec_cuda.py): the host uploads the plan's
         metadata, launches (or replays) it, and waits once for [targets, a, drafts] per sequence."""
         K = self.spec_k
-        res = self.gpu_rounds.run(batch, self.state, stops)
+        res = self.gpu_rounds.run(batch, self.state, stops, mark=self.profiler.mark if self.profiler else None)
         t1 = time.perf_counter()
         if self.transport is not None:
             self.transport.check()                      # a peer's hang shows here, not as garbage
@@ -307,6 +316,14 @@ class Worker:
             self._phases[:] = 0
             self._phase_rounds = 0
 
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's float32 head logits for drafting: rows past the reduced proposal head (token
+        ids >= spec_draft_vocab) are -inf, so the argmax is that of the GPU round's reduced head."""
+        logits = self.model.head_logits(h).float()
+        if self.draft_rows is not None:
+            logits[:, self.draft_rows:] = float("-inf")
+        return logits
+
     def _draft(self, hidden, batch: Batch, bounds, tokens, ndraft, next_tok, kv_tokens, rows, accepted) -> dict:
         """MTP pass 1 over each sequence's accepted columns (ids shifted left by one, the last = the
         token decided after them; hidden = the target's final-norm hidden there), then K-1 single MTP
@@ -333,7 +350,7 @@ class Worker:
         drafts = {keep_b[i]: [] for i in drafting}
         h = m[ends]
         pos = [starts[i] + cols[i] - 1 for i in drafting]        # position of the last MTP column
-        toks = argmax_rows(self.model.head_logits(h).float(), rank=self.rank, tp=self.tp,
+        toks = argmax_rows(self._draft_logits(h), rank=self.rank, tp=self.tp,
                            gather=self.mailbox.all_gather, vocab=V)
         live = list(range(len(drafting)))
         cur = {li: toks[k] for k, li in enumerate(live)}
@@ -353,13 +370,84 @@ class Worker:
                        [pos[li] for li in live2], [batch.slots[keep_b[drafting[li]]] for li in live2],
                        batch.page_tables[[keep_b[drafting[li]] for li in live2]])
             h = self.model.mtp_forward(sb, h[sel], self.state, logits="none").hidden
-            new = argmax_rows(self.model.head_logits(h).float(), rank=self.rank, tp=self.tp,
+            new = argmax_rows(self._draft_logits(h), rank=self.rank, tp=self.tp,
                               gather=self.mailbox.all_gather, vocab=V)
             cur = {li: new[k] for k, li in enumerate(live2)}
             live = live2
         for b in drafts:
             drafts[b] += [-1] * (K - len(drafts[b]))
         return drafts
+
+
+class StepProfiler:
+    """TANDEM_PROFILE_DIR=DIR (diagnostics): after TANDEM_PROFILE_SKIP steps (default 64) this rank
+    records TANDEM_PROFILE_STEPS steps (default 32) and writes, in DIR,
+      rank{R}.txt       GPU time per kernel name per step (torch.profiler; mailbox exchange kernels
+                        include their wait for the peer) and the mean wall time of the steps;
+                        TANDEM_PROFILE_KERNELS=0 leaves the profiler off
+      rank{R}-host.txt  per step, host clock marks (time.time(), comparable across ranks): the plan
+                        received, the step's own marks (a GPU round: launched, synchronised), done."""
+
+    def __init__(self, out_dir: str, rank: int, skip: int, steps: int, kernels: bool = True):
+        self.out_dir, self.rank, self.skip, self.steps, self.kernels = out_dir, rank, skip, steps, kernels
+        self.seen, self.prof, self.t0 = 0, None, 0.0
+        self.marks: list[tuple[str, float]] | None = None
+        self.rows: list[list[tuple[str, float]]] = []
+
+    @classmethod
+    def from_env(cls, rank: int) -> "StepProfiler | None":
+        d = os.environ.get("TANDEM_PROFILE_DIR")
+        if not d:
+            return None
+        return cls(d, rank, int(os.environ.get("TANDEM_PROFILE_SKIP", "64")),
+                   int(os.environ.get("TANDEM_PROFILE_STEPS", "32")), os.environ.get("TANDEM_PROFILE_KERNELS") != "0")
+
+    def mark(self, label: str) -> None:
+        if self.marks is not None:
+            self.marks.append((label, time.time()))
+
+    def before_step(self) -> None:
+        if self.seen == self.skip:
+            torch.cuda.synchronize()
+            if self.kernels:
+                from torch.profiler import ProfilerActivity, profile
+                self.prof = profile(activities=[ProfilerActivity.CUDA])
+                self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        if self.skip <= self.seen < self.skip + self.steps:
+            self.marks = [("plan", time.time())]
+
+    def after_step(self) -> None:
+        if self.marks is not None:
+            self.mark("done")
+            self.rows.append(self.marks)
+            self.marks = None
+        self.seen += 1
+        if self.seen != self.skip + self.steps:
+            return
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - self.t0) / self.steps * 1e3
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{self.rank}-host.txt"), "w") as f:
+            f.write(f"rank {self.rank}: steps {self.skip}..{self.skip + self.steps - 1}: wall {wall:.3f} ms per step; "
+                    "per step: plan received (time.time()), then each mark as +ms after it\n")
+            for row in self.rows:
+                t0 = row[0][1]
+                f.write(f"{t0:.6f} " + " ".join(f"{k}+{(t - t0) * 1e3:.3f}" for k, t in row[1:]) + "\n")
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            times: dict[str, float] = {}
+            for e in self.prof.events():
+                if e.device_type.name == "CUDA":
+                    times[e.name[:100]] = times.get(e.name[:100], 0.0) + e.device_time / self.steps / 1e3
+            self.prof = None
+            total = sum(times.values())
+            with open(os.path.join(self.out_dir, f"rank{self.rank}.txt"), "w") as f:
+                f.write(f"rank {self.rank}: steps {self.skip}..{self.skip + self.steps - 1}: wall {wall:.3f} ms per "
+                        f"step, GPU kernel time {total:.3f} ms per step\n")
+                for name, t in sorted(times.items(), key=lambda kv: -kv[1]):
+                    f.write(f"{t:9.3f} ms {t / max(total, 1e-9):6.1%}  {name}\n")
+        log.warning("rank %d: step profile written to %s", self.rank, self.out_dir)
 
 
 def _heartbeat(ctx: zmq.Context, addr: str, rank: int, parent: int, stop: threading.Event,
@@ -401,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     hb.start()
     msg.send(sock, msg.Heartbeat(rank=args.rank))
     worker = None
+    profiler = None
     step = -1
     try:
         hello = _recv_until(sock, stop, msg.Hello)
@@ -414,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             msg.send(sock, msg.Ready(rank=args.rank, ok=False, error=f"{type(e).__name__}: {e}", pid=os.getpid()))
             return 2
         msg.send(sock, worker.ready())
+        profiler = StepProfiler.from_env(args.rank) if worker.backend == "cuda" else None
+        worker.profiler = profiler
         while not stop.is_set():
             m = _recv_until(sock, stop, (msg.StepPlan, msg.Cancel, msg.Shutdown))
             if m is None or isinstance(m, msg.Shutdown):
@@ -424,9 +515,15 @@ def main(argv: list[str] | None = None) -> int:
                     worker.stops.pop(int(sid), None)
                 continue
             step = current_step[0] = m.step
+            if profiler is not None:
+                profiler.before_step()
             result = worker.step(m)
+            if profiler is not None:
+                profiler.mark("computed")
             if result is not None:
                 msg.send(sock, result)
+            if profiler is not None:
+                profiler.after_step()
         return 0
     except Exception as e:
         log.error("rank %d failed at step %d: %s", args.rank, step, traceback.format_exc())

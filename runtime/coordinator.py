@@ -141,6 +141,7 @@ class Coordinator:
                         options=dict(mailbox_timeout_s=self.options.mailbox_timeout_s,
                                      threads_per_rank=self._threads_per_rank,
                                      spec_draft_tokens=self.options.spec_draft_tokens,
+                                     spec_draft_vocab=self.options.spec_draft_vocab,
                                      backend=self.options.backend, weights=self.options.weights,
                                      kv_dtype=self.options.kv_dtype,
                                      cuda_graphs=self.options.cuda_graphs,

@@ -189,6 +189,10 @@ def add_spec_arguments(p) -> None:
                    help="speculative decoding: 'mtp' drafts with the model's MTP head (default off)")
     p.add_argument("--draft-tokens", type=int, default=3, choices=range(1, 6), metavar="K",
                    help="drafts per speculation round with --spec mtp, 1..5 (default 3)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft only among token ids below N: a reduced proposal head of the N most frequent "
+                        "tokens (BPE ids follow merge order), cheaper per draft; 0 = the whole vocabulary "
+                        "(default)")
 
 
 def spec_draft_tokens(args: argparse.Namespace, model_dir: str) -> int:
@@ -287,7 +291,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from runtime import Engine, EngineError, EngineOptions
 
             options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
-                                    spec_draft_tokens=spec_k, backend=args.backend, weights=args.weights,
+                                    spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
+                                    backend=args.backend, weights=args.weights,
                                     kv_dtype=args.kv_dtype,
                                     cuda_graphs=args.cuda_graphs, random_weights=args.random_weights,
                                     transport=args.transport)

@@ -80,7 +80,8 @@ def serve(args, argv: list[str]) -> int:
                             pending_timeout_s=args.pending_timeout_s, prefill_chunk=args.prefill_chunk,
                             max_step_tokens=max(args.max_step_tokens, args.max_concurrency), max_context=max_context,
                             kv_capacity=args.kv_capacity, threads_per_rank=args.threads_per_rank,
-                            log_level=args.log_level, spec_draft_tokens=spec_k, backend=args.backend,
+                            log_level=args.log_level, spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
+                            backend=args.backend,
                             weights=args.weights, kv_dtype=args.kv_dtype, cuda_graphs=args.cuda_graphs,
                             random_weights=args.random_weights, transport=args.transport)
     model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")

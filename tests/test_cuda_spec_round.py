@@ -37,15 +37,18 @@ def _at(st, t) -> int:
     return next(i for i, u in enumerate(_state_tensors(st)) if u is t)
 
 
+@torch.inference_mode()
 def _snapshot(st):
     return [t.clone() for t in _state_tensors(st)]
 
 
+@torch.inference_mode()
 def _restore(st, snap):
     for t, s in zip(_state_tensors(st), snap):
         t.copy_(s)
 
 
+@torch.inference_mode()
 def _eager_round(model, st, batch: Batch, P: int, K: int, stops):
     """The round through public calls: verification (same page width as the GPU round), host argmax
     and acceptance, commit, MTP over the accepted columns, K-1 MTP steps. Returns targets [B, T],

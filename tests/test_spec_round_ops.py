@@ -9,7 +9,7 @@ import torch
 
 from ranks.model import Batch
 from ranks.sampler import accept_greedy
-from ranks.spec_cuda import GpuRounds, accepted_lengths, merge_candidates, shard_candidates
+from ranks.spec_cuda import GpuRounds, accepted_lengths, draft_head_rows, merge_candidates, shard_candidates
 from tests.util import page_table
 
 
@@ -67,3 +67,29 @@ def test_eligibility():
     assert r.eligible(batch, **{**ok, "kv_tokens": [128, 66]})
     assert not r.eligible(batch, **{**ok, "stops": [list(range(65)), []]})
     assert not r.eligible(Batch(torch.arange(7), [4, 3], [10, 60], [0, 1], tables), **ok)
+
+
+def test_draft_head_rows_per_rank():
+    """The reduced proposal head: each rank keeps its shard's rows of ids below the bound."""
+    assert draft_head_rows(0, 0, 100) is None and draft_head_rows(0, 1, 100) is None
+    assert [draft_head_rows(150, r, 100) for r in range(3)] == [100, 50, 0]
+    assert [draft_head_rows(30, r, 100) for r in range(2)] == [30, 0]
+    assert [draft_head_rows(10 ** 6, r, 100) for r in range(2)] == [100, 100]
+    with pytest.raises(ValueError):
+        draft_head_rows(-1, 0, 100)
+
+
+def test_offset_candidates_of_a_reduced_shard(seed):
+    """A reduced head's candidates carry global ids through `offset`; a rank without rows offers
+    -FLT_MAX, which the sum keeps and the merge never picks."""
+    g = torch.Generator().manual_seed(seed)
+    R, n = 6, 50
+    full = torch.randn(R, 2 * n, generator=g).to(torch.bfloat16)
+    rows = 20                                              # rank 0 keeps ids < 20, rank 1 none
+    buf = shard_candidates(full[:, :rows], 0, 2, offset=0)
+    other = torch.zeros(2, R, 2)
+    other[1, :, 0] = -torch.finfo(torch.float32).max
+    got = merge_candidates(buf + other)
+    assert torch.equal(got, full[:, :rows].float().argmax(-1))
+    buf1 = shard_candidates(full[:, n:n + rows], 1, 2, offset=n)     # rank 1's first rows: ids n..
+    assert torch.equal(buf1[1, :, 1].long(), full[:, n:n + rows].float().argmax(-1) + n)

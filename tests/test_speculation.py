@@ -247,6 +247,28 @@ def test_stops_and_length_inside_rounds(dense, cases, tp):
         _run(eng, cases, [3])
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reduced_proposal_head_drafts_below_the_bound(dense, cases, tp):
+    """spec_draft_vocab N: every draft is a token id below N (or -1), the output is still plain greedy,
+    and with N = the whole vocabulary the drafts are those of the full head."""
+    d, ref = dense
+    N = ref.V // 3                                 # at tp 2 only rank 0's shard has proposal rows
+    for vocab in (N, 0):
+        seen: list[int] = []
+
+        def hook(seq, drafts):                     # records the ranks' drafts, changes nothing
+            seen.extend(drafts)
+            return drafts
+        opts = EngineOptions(spec_draft_tokens=3, spec_draft_vocab=vocab, spec_draft_hook=hook, **OPTS)
+        with Engine.start(d, tp=tp, options=opts) as eng:
+            _run(eng, cases, [2, 2])
+        assert seen and all(-1 <= t < ref.V for t in seen)
+        if vocab:
+            assert all(t < N for t in seen), sorted(set(seen))[-5:]
+        else:
+            assert any(t >= N for t in seen), "random weights should draft some ids above the bound"
+
+
 def test_spec_refused_without_mtp_weights(tmp_path):
     cfg = tiny_config(False, mtp_num_hidden_layers=0)
     spec = spec_from_hf(cfg)

@@ -3,7 +3,11 @@
 decode step of C sequences, or a prefill chunk, of a random full-width model on one GPU.
 
     python scripts/bench/profile_step.py --model 27b [--layers 16] [--concurrency 1] [--prefill 2048]
-        [--out profile.json]
+        [--spec-round K] [--out profile.json]
+
+--spec-round K profiles a greedy speculation round on the GPU (ranks/spec_cuda.py: verification of
+K+1 columns, acceptance, commit, K MTP drafting steps) instead of the decode step, and also times
+the round and the plain decode step as replayed CUDA graphs (wall time per call, host included).
 
 Prints the kernels sorted by total time with their share of the step and writes JSON.
 """
@@ -14,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 
 repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill chunk of this many tokens instead")
     ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--spec-round", type=int, default=0, metavar="K",
+                    help="profile a GPU speculation round with K drafts per sequence instead")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
@@ -71,7 +78,11 @@ def main(argv=None) -> int:
         batch = Batch(torch.randint(0, spec.vocab_size, (C,)), [1] * C, [args.context] * C, list(range(C)),
                       torch.arange(C * per, dtype=torch.int32).view(C, per))
         what = f"decode step, C={C}, context {args.context}"
-    times = profile(lambda: model.forward(batch, state), args.reps)
+    if args.spec_round:
+        batch, state, what, fn = spec_round(model, spec, args.spec_round, C, args.context)
+    else:
+        fn = lambda: model.forward(batch, state)          # noqa: E731
+    times = profile(fn, args.reps)
     total = sum(times.values())
     print(f"{args.model} ({spec.num_layers} layers, {args.weights}), {what}: {total:.3f} ms of kernel time per step")
     for name, t in list(times.items())[:args.top]:
@@ -81,6 +92,39 @@ def main(argv=None) -> int:
             json.dump(dict(model=args.model, layers=spec.num_layers, what=what, total_ms=total, kernels=times), f,
                       indent=1)
     return 0
+
+
+def spec_round(model, spec, K: int, C: int, context: int):
+    """A GPU speculation round of C sequences at `context` tokens: its profile target, after timing
+    the round and a plain step, each replayed as a CUDA graph (model.graphs of a second model view)."""
+    from ranks.graphs import GraphRunner
+    from ranks.spec_cuda import GpuRounds
+    T = K + 1
+    per = (context + 2 * K + PAGE_SIZE - 1) // PAGE_SIZE
+    state = model.new_state(C, C * per)
+    model.reserve_verification(C * T)
+    rounds = GpuRounds(model, K, rank=0, tp=1)
+    tables = torch.arange(C * per, dtype=torch.int32).view(C, per)
+    batch = Batch(torch.randint(0, spec.vocab_size, (C * T,)), [T] * C, [context] * C, list(range(C)), tables)
+    step = Batch(torch.randint(0, spec.vocab_size, (C,)), [1] * C, [context] * C, list(range(C)), tables)
+    model.graphs = GraphRunner(model)
+
+    def wall(fn, reps=20) -> float:
+        for _ in range(3):                               # eager, capture, replay
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps * 1e3
+    step_ms = wall(lambda: model.forward(step, state).logits.argmax(-1).cpu())
+    round_ms = wall(lambda: rounds.run(batch, state, [[]] * C))
+    print(f"graphs: plain step {step_ms:.3f} ms (with its argmax copied to the host), GPU round K={K} "
+          f"{round_ms:.3f} ms = {round_ms / step_ms:.2f}x")
+    model.graphs = None
+    return batch, state, f"GPU speculation round K={K}, C={C}, context {context}", \
+        lambda: rounds.run(batch, state, [[]] * C)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ against plain decoding, per concurrency.
 chat-like prompts from its tokenizer); a preset name (27b, 35b-a3b, ...) runs random weights built on
 the GPUs (acceptance ~0, so a round yields one token: what it measures is the round's cost next to a
 plain step, from which the break-even acceptance follows). For each K (0 = off) and C: C requests
-submitted together, greedy, ignore_eos; round time = (last finish - last first token) / rounds of
-the slowest request, where a plain step counts as one round.
+submitted together, greedy, ignore_eos; round time = the median gap between a request's output
+events (each round, or plain step, sends one), the steady round; mean_round_s in the JSON is
+(last finish - last first token) / rounds of the slowest request, which also counts the last
+rounds (fewer drafts near max_new_tokens, on the eager path) and the first after prefill.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import numpy as np
 
 repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, repo_root)
@@ -38,9 +42,9 @@ PROMPTS = ["def fibonacci(n):\n", "<|im_start|>user\nWhat is the capital of Fran
 
 def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: str, k: int, C: int,
         new_tokens: int, random_weights: bool, log_level: str = "WARNING", rounds: str = "gpu",
-        weights: str = "bf16") -> dict:
+        weights: str = "bf16", draft_vocab: int = 0) -> dict:
     os.environ["TANDEM_SPEC_GPU_ROUNDS"] = "1" if rounds == "gpu" else "0"      # the ranks inherit it
-    opts = EngineOptions(weights=weights, max_concurrency=C, spec_draft_tokens=k, random_weights=random_weights,
+    opts = EngineOptions(weights=weights, spec_draft_vocab=draft_vocab, max_concurrency=C, spec_draft_tokens=k, random_weights=random_weights,
                          max_context=max(map(len, prompts)) + new_tokens + 16, startup_timeout_s=900,
                          log_level=log_level)
     with Engine.start(model_dir, tp=tp, device=device, dtype=dtype, options=opts) as engine:
@@ -48,25 +52,32 @@ def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: s
             finals = [None] * C
 
             def one(i):
-                evs = list(engine.submit(prompts[i % len(prompts)], SamplingParams(
-                    temperature=0, max_new_tokens=new_tokens, ignore_eos=True)))
+                evs, at = [], []
+                for ev in engine.submit(prompts[i % len(prompts)], SamplingParams(
+                        temperature=0, max_new_tokens=new_tokens, ignore_eos=True)):
+                    evs.append(ev)
+                    at.append(time.perf_counter())
                 if evs[-1].error:
                     raise RuntimeError(evs[-1].error)
                 finals[i] = evs[-1]
+                gaps.extend(np.diff(at[1:]).tolist())          # one event per round after the first token
             threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             return finals
+        gaps: list[float] = []
         batch()                                         # warm-up: kernels, graphs
+        gaps.clear()
         finals = batch()
     first = max(f.timings["ttft_s"] for f in finals)
     last = max(f.timings["total_s"] for f in finals)
     rounds = max((f.spec or {}).get("rounds", 0) or (new_tokens - 1) for f in finals)
     per_round = (sum((f.spec or {}).get("tokens_per_round") or 1.0 for f in finals) / C)
     decode_tokens = C * (new_tokens - 1)
-    return dict(K=k, C=C, rounds=rounds if k else "-", tokens_per_round=per_round, round_s=(last - first) / rounds,
+    return dict(K=k, C=C, rounds=rounds if k else "-", tokens_per_round=per_round, round_s=float(np.median(gaps)),
+                mean_round_s=(last - first) / rounds,
                 decode_tok_s=decode_tokens / (last - first), per_request_tok_s=(new_tokens - 1) / (last - first))
 
 
@@ -84,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", nargs="+", default=["gpu"], choices=["gpu", "eager"],
                     help="greedy rounds as one GPU program (the default) and/or the eager round")
     ap.add_argument("--weights", default="bf16", help="bf16, fp8, fp8-block or nvfp4 (random presets)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="reduced proposal head: drafts among token ids below N (0 = the whole vocabulary)")
     ap.add_argument("--log-level", default="WARNING",
                     help="the ranks' log level (DEBUG shows where a round's host time goes)")
     args = ap.parse_args(argv)
@@ -102,13 +115,13 @@ def main(argv=None) -> int:
             json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
         rng = random.Random(0)
         prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(64)] for _ in range(8)]
-    res = dict(model=args.model, weights=args.weights, tp=args.tp, device=args.device, dtype=dtype, date=time.strftime("%Y-%m-%d"), runs=[])
+    res = dict(model=args.model, weights=args.weights, draft_vocab=args.draft_vocab, tp=args.tp, device=args.device, dtype=dtype, date=time.strftime("%Y-%m-%d"), runs=[])
     base: dict[int, float] = {}
     print(f"{'K':>2s} {'C':>3s} {'rounds':>6s} {'tok/round':>9s} {'round ms':>9s} {'tok/s':>8s} {'per req':>8s} {'round/step':>10s}")
     for C in args.concurrency:
         for k, mode in [(k, m) for k in args.draft_tokens for m in (args.rounds if k else ["-"])]:
             r = run(model_dir, prompts, args.tp, args.device, dtype, k, C, args.new_tokens, random_weights,
-                    args.log_level, mode, args.weights)
+                    args.log_level, mode, args.weights, args.draft_vocab)
             if k == 0:
                 base[C] = r["round_s"]
             r["round_over_step"] = r["round_s"] / base[C] if C in base else None
