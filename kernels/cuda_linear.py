@@ -9,11 +9,19 @@ launches on torch's current stream without host syncs, so it captures into CUDA 
     linear(x, w, out=None, residual=None)   w: bf16 [O, I] tensor or QuantWeight
     linear_swiglu(x, w_gate_up, out=None)   w_gate_up: [2F, I] (gate rows then up rows) -> [T, F]
     dequantize(w) -> bf16 [O, I]
-    route(O, I, T, kind, sm_count, swiglu=False) -> dict
+    route(O, I, T, kind, sm_count, swiglu=False, variant=None) -> dict
     bytes_read(O, I, T, kind) -> int        (the traffic floor a benchmark divides by)
+
+Variants (TANDEM_GEMV_VARIANT, read by route() at every launch plan, so also at CUDA graph capture):
+"tc" is the route table below; "pipelined" sends quantised launches of <= 8 columns to the
+cp.async-pipelined tensor-core kernels gemv_{fp8row,fp8blk,nvfp4}_pipe wherever they apply (fp8:
+I % 16 == 0, nvfp4: I % 64 == 0), small layers included; "auto" (the default) uses them where they
+were measured faster (pipe_wins): scripts/bench/linear.py --variants times tc against pipelined.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +49,40 @@ _TC_KINDS = ("fp8_row", "fp8_block", "nvfp4")
 TC_MAX_COLUMNS = 32
 _TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
+VARIANT_ENV = "TANDEM_GEMV_VARIANT"
+VARIANTS = ("auto", "tc", "pipelined")
+PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
+# gemv_*_pipe: ks is the smallest of 1, 2, 4, 8 giving at least this many blocks per SM. An SM holds up
+# to 4 of its blocks (64 registers, 44 KiB of shared memory each; 2 on sm_86/89/120), and a warp keeps
+# its loads in flight for as long as it has steps, so fewer, longer warps should beat the old rule's 4
+# blocks per SM as long as every SM gets two (a guess: scripts/bench/linear.py --variants --ks 1 2 4 8).
+PIPE_BLOCKS_PER_SM = 2
+
+
+def gemv_variant() -> str:
+    """The GEMV variant from $TANDEM_GEMV_VARIANT ("auto" when unset or empty)."""
+    v = os.environ.get(VARIANT_ENV) or "auto"
+    if v not in VARIANTS:
+        raise L.KernelError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")
+    return v
+
+
+def pipe_applies(kind: str, I: int, T: int) -> bool:
+    """Whether gemv_*_pipe serves a launch of T columns: quantised, T <= 8, and I % 16 == 0 (fp8) or
+    I % 64 == 0 (nvfp4: each lane copies 4-byte words of a scale row, so rows must be 4-byte aligned)."""
+    if kind not in _TC_KINDS or not 1 <= T <= PIPE_MAX_COLUMNS:
+        return False
+    return I % (64 if kind == "nvfp4" else 16) == 0
+
+
+def pipe_wins(O: int, T: int, tc: dict) -> bool:
+    """The "auto" rule, from scripts/bench/linear.py --variants on an H200 (27B shapes, docs/perf.md):
+    the pipelined kernel was 1.1-1.4x faster for T <= 4 on every layer where the tensor-core kernel
+    splits I over 4 or more warps (q, o, GDN qkv / z / out, down), and slower on the widest layer
+    (gate|up, split over 2: 0.7-0.9x) and on the smallest (k / v, O = 1024: 0.8-0.9x). At T = 8 the
+    gains shrink to within noise, so T = 8 keeps the tensor-core kernel."""
+    return T <= 4 and O >= 4096 and tc.get("kernel", "").startswith("gemv_") and "_tc" in tc["kernel"] \
+        and tc.get("ks", 0) >= 4
 
 
 def _kind_of(w) -> str:
@@ -51,7 +93,8 @@ def _vector_rule(kind: str) -> int:
     return {"bf16": 8, "fp8_row": 16, "fp8_block": 16, "nvfp4": 16}[kind]
 
 
-def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False) -> dict:
+def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False,
+          variant: str | None = None) -> dict:
     """The launch plan for one linear: which kernel, how many warps split a row pair, the grid.
 
     A unit is two weight rows (gate row f and up row F+f for SwiGLU); a block of 8 warps covers
@@ -60,13 +103,25 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     16-byte chunk per lane (ks * 32 <= chunks per row). More than GEMV_COLUMNS[kind] columns route to
     dequantise + cuBLAS; between launch_columns() and that, the GEMV runs in launches of
     launch_columns() columns (this plan is then the one of a full launch).
+
+    variant: "auto", "tc" or "pipelined" (None: $TANDEM_GEMV_VARIANT); with "pipelined", quantised
+    launches of <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where pipe_wins() too.
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
+    if variant is None:
+        variant = gemv_variant()
+    elif variant not in VARIANTS:
+        raise L.KernelError(f"route: unknown GEMV variant {variant!r}")
     if T > GEMV_COLUMNS[kind]:
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
+    if variant == "pipelined" and pipe_applies(kind, I, T):
+        return _route_pipe(O, I, T, kind, sm_count, swiglu)
+    if variant == "auto" and pipe_applies(kind, I, T):
+        tc = route(O, I, T, kind, sm_count, swiglu, variant="tc")
+        return _route_pipe(O, I, T, kind, sm_count, swiglu) if pipe_wins(O, T, tc) else tc
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
     if ekind in _TC_KINDS and T <= TC_MAX_COLUMNS:
         r = _route_tc(O, I, T, ekind, sm_count, swiglu)
@@ -91,14 +146,15 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
 FORCE_KS: int | None = None            # benchmarks only (scripts/bench/linear.py --ks): every launch's ks
 
 
-def _pick_ks(units: int, ks_cap: int, sm_count: int) -> int:
-    """Warps splitting I per unit: the smallest of 1, 2, 4, 8 (<= ks_cap) giving >= 4 blocks per SM."""
+def _pick_ks(units: int, ks_cap: int, sm_count: int, blocks_per_sm: int = 4) -> int:
+    """Warps splitting I per unit: the smallest of 1, 2, 4, 8 (<= ks_cap) giving >= blocks_per_sm
+    blocks per SM."""
     if FORCE_KS is not None:
         return max(1, min(FORCE_KS, ks_cap))
     for cand in (1, 2, 4, 8):
         if cand > ks_cap:
             break
-        if -(-units // (WARPS // cand)) >= 4 * sm_count:
+        if -(-units // (WARPS // cand)) >= blocks_per_sm * sm_count:
             return cand
     return ks_cap
 
@@ -125,6 +181,21 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     nb = next(n for n in _TC_TILES if 8 * n >= T)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}", "nt": 8 * nb, "ks": ks,
             "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T}
+
+
+def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
+    """Pipelined tensor-core GEMV (gemv_*_pipe, gemv.cu): the tiles and steps of _route_tc with one
+    column tile; ks from PIPE_BLOCKS_PER_SM, capped so that each of the ks warps gets a step."""
+    tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
+    steps = -(-(I // _EPC[kind]) // 4)
+    ks_cap = 1
+    while ks_cap < WARPS and ks_cap * 2 <= steps:
+        ks_cap *= 2
+    ks = _pick_ks(tiles, ks_cap, sm_count, PIPE_BLOCKS_PER_SM)
+    blocks = -(-tiles // (WARPS // ks))
+    return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_pipe", "nt": 8, "ks": ks,
+            "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T,
+            "variant": "pipelined"}
 
 
 def bytes_read(O: int, I: int, T: int, kind: str) -> int:
@@ -206,10 +277,10 @@ def _gemv(x, w, out, residual, swiglu: bool):
     mode = 2 if swiglu else (1 if residual is not None else 0)
     Fh = O // 2 if swiglu else 0
     d = L.device_of(x)
-    sms, step = L.sm_count(d), launch_columns(kind, I)
+    sms, step, variant = L.sm_count(d), launch_columns(kind, I), gemv_variant()
     for a in range(0, T, step):                       # columns in launches of up to `step`
         b = min(T, a + step)
-        r = route(O, I, b - a, kind, sms, swiglu=swiglu)
+        r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant)
         L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
                  (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
                   O, I, b - a, r["ks"], mode, Fh, sb),

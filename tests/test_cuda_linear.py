@@ -1,5 +1,9 @@
 """GPU tests of kernels/cuda_linear.py (decode GEMV, SwiGLU / residual epilogues, dequantisation)
-against kernels/reference.py in fp32 on the dequantised weights."""
+against kernels/reference.py in fp32 on the dequantised weights.
+
+The GEMV tests run under both GEMV variants (TANDEM_GEMV_VARIANT=default | pipelined, the `variant`
+fixture); test_pipelined_* cover the cp.async-pipelined kernels (gemv_*_pipe, T <= 8) at every column
+count, and check them bit for bit against the tensor-core kernels they re-implement."""
 
 import pytest
 import torch
@@ -19,6 +23,24 @@ SHAPES_27B = [(12288, 5120), (1024, 5120), (5120, 6144), (10240, 5120), (6144, 5
 SHAPES_35B = [(8192, 2048), (512, 2048), (2048, 4096), (4096, 2048), (32, 2048), (1024, 2048),
               (2048, 512), (256, 2048)]
 LM_HEAD = [(248320, 5120), (248320, 2048)]
+
+
+VARIANTS = ("tc", "pipelined")
+PIPE_KINDS = ("fp8_row", "fp8_block", "nvfp4")
+_TAG = {"fp8_row": "fp8row", "fp8_block": "fp8blk", "nvfp4": "nvfp4"}
+
+
+@pytest.fixture(autouse=True)
+def default_variant_unless_asked(monkeypatch):
+    """Tests without the `variant` fixture run the default route, whatever the environment says."""
+    monkeypatch.delenv("TANDEM_GEMV_VARIANT", raising=False)
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """The GEMV variant the test's launches are routed with (kernels/cuda_linear.py reads it at route time)."""
+    monkeypatch.setenv("TANDEM_GEMV_VARIANT", request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -71,27 +93,27 @@ def _run_linear(kind, O, I, T, seed, residual=False):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("O,I", SHAPES_27B + SHAPES_35B)
-def test_model_shapes(kind, O, I, seed):
+def test_model_shapes(kind, O, I, seed, variant):
     for T in (1, 5) if kind == "bf16" else (1, 5, 13, 32):
         _run_linear(kind, O, I, T, seed + T)
 
 
 @pytest.mark.parametrize("kind", ("bf16", "nvfp4"))
 @pytest.mark.parametrize("O,I", LM_HEAD)
-def test_lm_head(kind, O, I, seed):
+def test_lm_head(kind, O, I, seed, variant):
     _run_linear(kind, O, I, 2, seed)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("O", (1, 3, 77))
 @pytest.mark.parametrize("I", (16, 48, 64, 1040, 1056))
-def test_odd_shapes(kind, O, I, seed):
+def test_odd_shapes(kind, O, I, seed, variant):
     for T in (1, 2, 3, 5, 8, 16) if kind == "bf16" else (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64):
         _run_linear(kind, O, I, T, seed + T)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_residual(kind, seed):
+def test_residual(kind, seed, variant):
     for O, I, T in ((5120, 6144, 1), (77, 1040, 3), (2048, 4096, 16), (2048, 4096, 24), (300, 512, 40)):
         _run_linear(kind, O, I, T, seed + T, residual=True)
 
@@ -116,7 +138,7 @@ def _swiglu_want(x, wf):
 @pytest.mark.parametrize("O,I,T", [(34816, 5120, 1), (34816, 5120, 4), (1024, 2048, 16), (6, 48, 3),
                                    (154, 1040, 5), (2, 64, 1), (300, 512, 17), (34816, 5120, 24),
                                    (1024, 2048, 40), (154, 1040, 65)])
-def test_swiglu(kind, O, I, T, seed):
+def test_swiglu(kind, O, I, T, seed, variant):
     from kernels.cuda_linear import linear_swiglu
     w, wf = _weight(kind, O, I, seed)
     x = _x(T, I, seed)
@@ -155,7 +177,7 @@ def test_dequantize_bit_exact(kind, O, I, seed):
     assert torch.equal(got.view(torch.int16), w.dequantize().view(torch.int16))
 
 
-def test_cuda_graph_capture(seed):
+def test_cuda_graph_capture(seed, variant):
     from kernels.cuda_linear import linear, linear_swiglu
     w, wf = _weight("nvfp4", 1024, 2048, seed)
     wg, wgf = _weight("fp8_block", 512, 2048, seed + 3)
@@ -180,6 +202,152 @@ def test_cuda_graph_capture(seed):
     torch.cuda.synchronize()
     _check(out, ref.linear(x.float(), wf))
     _check(out2, _swiglu_want(x, wgf))
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipelined variant (gemv_*_pipe): every column count it serves, the model shapes, odd shapes
+# (partial last steps, tails of 128-row fp8 blocks, rows past O), all three epilogues.
+
+PIPE_ODD_O = (1, 2, 3, 77, 300)
+PIPE_ODD_I = (16, 48, 64, 192, 1040, 1088, 4160)
+# (kind, I) the pipe kernels serve (fp8: I % 16 == 0; nvfp4: I % 64 == 0; the other nvfp4 widths keep
+# the older kernels, test_odd_shapes with variant=pipelined and tests/test_linear_route.py cover that)
+PIPE_ODD_KI = [(k, i) for k in PIPE_KINDS for i in PIPE_ODD_I if i % (64 if k == "nvfp4" else 16) == 0]
+
+
+def _pipe_kernel(kind, O, I, T, swiglu=False):
+    """The kernel the pipelined route picks (asserting it is a pipe kernel)."""
+    from kernels import cuda_linear as cl
+    r = cl.route(O, I, T, kind, torch.cuda.get_device_properties(0).multi_processor_count,
+                 swiglu=swiglu, variant="pipelined")
+    assert r["kernel"] == f"gemv_{_TAG[kind]}_pipe", r
+    return r
+
+
+def _linear_vs_reference(w, wf, T, seed, mode):
+    """One linear (mode 0), residual linear (1) or SwiGLU (2) through kernels.cuda_linear, output
+    poisoned with NaN first, against the fp32 reference on the dequantised weight."""
+    from kernels.cuda_linear import linear, linear_swiglu
+    O, I = wf.shape
+    x = _x(T, I, seed)
+    if mode == 2:
+        out = torch.full((T, O // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = linear_swiglu(x, w, out=out)
+        want = _swiglu_want(x, wf)
+    else:
+        out = torch.full((T, O), float("nan"), dtype=torch.bfloat16, device="cuda")
+        want = ref.linear(x.float(), wf)
+        if mode == 1:
+            res = torch.randn(T, O, device="cuda", generator=_gen(seed + 2)).to(torch.bfloat16)
+            want = res.float() + want
+            got = linear(x, w, out=out, residual=res)
+        else:
+            got = linear(x, w, out=out)
+    assert got is out
+    _check(got, want)
+
+
+@pytest.mark.parametrize("kind", PIPE_KINDS)
+@pytest.mark.parametrize("O,I", SHAPES_27B + SHAPES_35B)
+def test_pipelined_model_shapes(kind, O, I, seed, monkeypatch):
+    monkeypatch.setenv("TANDEM_GEMV_VARIANT", "pipelined")
+    w, wf = _weight(kind, O, I, seed)
+    for T in range(1, 9):
+        _pipe_kernel(kind, O, I, T)
+        _linear_vs_reference(w, wf, T, seed + T, mode=0)
+    for T in (1, 4, 8):
+        _linear_vs_reference(w, wf, T, seed + 10 + T, mode=1)
+        if O % 2 == 0:
+            _pipe_kernel(kind, O, I, T, swiglu=True)
+            _linear_vs_reference(w, wf, T, seed + 20 + T, mode=2)
+
+
+@pytest.mark.parametrize("kind,I", PIPE_ODD_KI)
+@pytest.mark.parametrize("O", PIPE_ODD_O)
+def test_pipelined_odd_shapes(kind, O, I, seed, monkeypatch):
+    monkeypatch.setenv("TANDEM_GEMV_VARIANT", "pipelined")
+    w, wf = _weight(kind, O, I, seed)
+    for T in range(1, 9):
+        _pipe_kernel(kind, O, I, T)
+        for mode in (0, 1, 2) if O % 2 == 0 else (0, 1):
+            _linear_vs_reference(w, wf, T, seed + 3 * T + mode, mode)
+
+
+def _launch(kernel, x, w, out, ks, mode, residual=None):
+    """One launch of gemv.cu's `kernel` (a 16-row-tile kernel: gemv_*_tc or gemv_*_pipe) with the
+    I-split forced to ks, as kernels.cuda_linear._gemv would launch it."""
+    from kernels import cuda_linear as cl
+    from kernels import launch as L
+    _, O, I, data, scale, gscale, sb = cl._check_weight(w, "w")
+    tiles = -(-(O // 2) // 8) if mode == 2 else -(-O // 16)
+    d = L.device_of(x)
+    L.launch(L.kernel("gemv", kernel, d), (-(-tiles // (8 // ks)),), (256,),
+             (out, x, data, scale, gscale, residual, O, I, x.shape[0], ks, mode, O // 2 if mode == 2 else 0, sb),
+             device=d)
+    return out
+
+
+def _pipe_equals_tc(kind, w, O, I, seed):
+    """gemv_*_pipe does gemv_*_tc's arithmetic (one column tile) in the same order: the same decoded
+    bf16 words, the same mma sequence per warp, the same reductions. With the same ks the outputs are
+    equal bit for bit, for every ks, column count and epilogue."""
+    tag = _TAG[kind]
+    steps = -(-(I // (32 if kind == "nvfp4" else 16)) // 4)
+    for ks in (k for k in (1, 2, 4, 8) if k <= steps):
+        for T in (1, 3, 8):
+            x = _x(T, I, seed + 7 * ks + T)
+            res = torch.randn(T, O, device="cuda", generator=_gen(seed + ks + T)).to(torch.bfloat16)
+            for mode in (0, 1, 2) if O % 2 == 0 else (0, 1):
+                shape = (T, O // 2) if mode == 2 else (T, O)
+                outs = []
+                for kernel in (f"gemv_{tag}_tc", f"gemv_{tag}_pipe"):
+                    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+                    outs.append(_launch(kernel, x, w, out, ks, mode, res if mode == 1 else None))
+                assert not torch.isnan(outs[1]).any(), (ks, T, mode, "unwritten output")
+                assert torch.equal(outs[0], outs[1]), (ks, T, mode, rel(outs[1], outs[0]))
+
+
+@pytest.mark.parametrize("kind", PIPE_KINDS)
+@pytest.mark.parametrize("O,I", SHAPES_27B + SHAPES_35B)
+def test_pipelined_matches_tensor_core_kernel(kind, O, I, seed):
+    w, _ = _weight(kind, O, I, seed)
+    _pipe_equals_tc(kind, w, O, I, seed)
+
+
+@pytest.mark.parametrize("kind,I", PIPE_ODD_KI)
+@pytest.mark.parametrize("O", PIPE_ODD_O)
+def test_pipelined_matches_tensor_core_kernel_odd(kind, O, I, seed):
+    w, _ = _weight(kind, O, I, seed)
+    _pipe_equals_tc(kind, w, O, I, seed)
+
+
+def test_pipelined_every_scale_code(seed, monkeypatch):
+    """nvfp4 group scales of every finite e4m3 code (zero, subnormals, negatives), which random
+    weights never produce: gemv_nvfp4_pipe decodes them in bf16 arithmetic (subnormal inputs),
+    gemv_nvfp4_tc through fp16. Rows 0-15 have only zero and subnormal scales, so a flush to zero
+    would show in their error, not only in the bit-for-bit comparison."""
+    from kernels.quant import QuantWeight
+    O, I = 256, 4096
+    gen = _gen(seed)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
+    tiny = torch.tensor([c for c in range(256) if c & 0x78 == 0], dtype=torch.uint8, device="cuda")  # exponent 0
+    scale = finite[torch.randint(0, finite.numel(), (O, I // 16), device="cuda", generator=gen)]
+    scale[:16] = tiny[torch.randint(0, tiny.numel(), (16, I // 16), device="cuda", generator=gen)]
+    assert torch.isin(finite, scale).all()
+    data = torch.randint(0, 256, (O, I // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    w = QuantWeight("nvfp4", O, I, data, scale.contiguous(), torch.tensor([0.01], device="cuda"))
+    wf = w.dequantize(torch.float32)
+    _pipe_equals_tc("nvfp4", w, O, I, seed)
+    monkeypatch.setenv("TANDEM_GEMV_VARIANT", "pipelined")
+    from kernels.cuda_linear import linear
+    for T in (1, 8):
+        _pipe_kernel("nvfp4", O, I, T)
+        x = _x(T, I, seed + T)
+        out = torch.full((T, O), float("nan"), dtype=torch.bfloat16, device="cuda")
+        linear(x, w, out=out)
+        want = ref.linear(x.float(), wf)
+        _check(out, want)
+        _check(out[:, :16], want[:, :16])
 
 
 def test_errors():

@@ -10,8 +10,12 @@
 * Wrap: exchanges across the 32-bit epoch wrap stay exact.
 * Hang: a rank killed mid-exchange makes the other's kernel return within its bound with the hang word
   set to 1 + its rank, and the Python side raises MailboxHang.
-* CPU-only: epoch arithmetic, piece planning and argument checks run without a GPU (no `gpu` mark; the
-  GPU tests carry it one by one, so this file's CPU tests run everywhere).
+* Kernel variants (transport/mailbox_cuda.py Variant): every GPU test runs for the default (classic) kernel
+  and the lean kernels (lean16, lean8; small grids and blocks so that threads own many units and several
+  rounds; a first-poll delay); the graph test also switches variants between the exchanges of one graph.
+* CPU-only: epoch arithmetic, piece planning, argument checks, variant parsing and the launch arguments
+  against the kernels' parameter lists run without a GPU (no `gpu` mark; the GPU tests carry it one by
+  one, so this file's CPU tests run everywhere).
 
 The rank functions below run in spawned children, which import this module: keep its top light.
 """
@@ -29,11 +33,23 @@ import numpy as np
 import pytest
 
 from transport.mailbox import _HANG_OFFSET, MailboxHang
-from transport.mailbox_cuda import PERIOD, CudaMailbox, check_start_epoch, next_epoch, piece_elements, pieces
+from transport.mailbox_cuda import (BLOCKS_PER_SM, PERIOD, THREADS, CudaMailbox, Variant, check_start_epoch,
+                                    launch_shape, make_variant, next_epoch, parse_variant, piece_elements,
+                                    pieces, variant_from_env)
 
 gpu = pytest.mark.gpu
 SIZES = [1, 7, 8, 1000, 5120, 20480, 65536, 524288]
 JOIN_S = 300
+# Kernel variants under test (None: the default). b/t make threads own many units (several rounds per
+# thread, one warp per block); d adds the lean kernel's first-poll delay.
+EXACT_VARIANTS = [None, "lean16", "lean8", "lean8b2t64", "lean16b1t32d300"]
+GRAPH_VARIANTS = [None, "lean16", "lean8", "lean8d400", "mix"]
+MIX = ["classic", "lean16", "lean8t128", "lean8d200", "f0"]   # "mix": one of these per exchange, in turn
+OTHER_VARIANTS = [None, "lean16", "lean8"]
+
+
+def _vid(v) -> str:
+    return "default" if v is None else v
 
 
 def _gpus() -> int:
@@ -106,23 +122,24 @@ def _run(fn, args_per_rank: list[tuple], timeout: float = JOIN_S) -> dict[int, o
     return out
 
 
-def _rank_exactness(rank: int, name: str, seed: int, out_dir: str, dtypes: list[str]) -> dict:
+def _rank_exactness(rank: int, name: str, seed: int, out_dir: str, dtypes: list[str], variant: str | None) -> dict:
     import torch
     torch.cuda.set_device(rank)
-    mb = CudaMailbox(name, rank, device=rank, timeout_s=30.0)
+    mb = CudaMailbox(name, rank, device=rank, timeout_s=30.0, variant=variant)
     try:
         tp, guard = mb.tp, 8
         exchanges = 0
         for i, n in enumerate(SIZES):
             for dtype in dtypes:
                 x = _as(_input(seed, rank, i, n), dtype).cuda()
-                buf = torch.full((n + 2 * guard,), float("nan"), dtype=x.dtype, device=x.device)
-                y = buf[guard:guard + n]
+                buf = torch.full((n + 2 * guard + 1,), float("nan"), dtype=x.dtype, device=x.device)
+                off = guard + i % 2                     # every other size misaligned (2 or 4 bytes): scalar paths
+                y = buf[off:off + n]
                 y.copy_(x)
                 assert mb.all_reduce(y) is y
                 mb.synchronize()
                 exchanges += len(pieces(n, mb.words, packed=dtype == "bfloat16"))
-                assert bool(torch.isnan(buf[:guard]).all()) and bool(torch.isnan(buf[guard + n:]).all()), \
+                assert bool(torch.isnan(buf[:off]).all()) and bool(torch.isnan(buf[off + n:]).all()), \
                     f"n={n} {dtype}: a guard element was overwritten"
                 np.save(os.path.join(out_dir, f"r{rank}_{i}_{dtype}.npy"), y.cpu().view(torch.uint8).numpy())
             # all_gather into a poisoned buffer: exact rows, own row included
@@ -144,10 +161,11 @@ _GRAPH_K = 64                  # exchanges per graph
 _GRAPH_V = 4                   # distinct inputs, cycled
 
 
-def _rank_graph(rank: int, name: str, seed: int, replays: int) -> dict:
+def _rank_graph(rank: int, name: str, seed: int, replays: int, variant: str | None) -> dict:
     import torch
     torch.cuda.set_device(rank)
-    mb = CudaMailbox(name, rank, device=rank, timeout_s=30.0)
+    mix = [make_variant(v) for v in MIX] if variant == "mix" else None
+    mb = CudaMailbox(name, rank, device=rank, timeout_s=30.0, variant=None if mix else variant)
     try:
         tp, n, dev = mb.tp, _GRAPH_N, f"cuda:{rank}"
         xs = torch.stack([_as(_input(seed, rank, v, n), "bfloat16") for v in range(_GRAPH_V)]).to(dev)
@@ -162,6 +180,8 @@ def _rank_graph(rank: int, name: str, seed: int, replays: int) -> dict:
         def body():
             for k in range(_GRAPH_K):
                 v = k % _GRAPH_V
+                if mix:                                        # the launch records the variant's kernel
+                    mb.variant = mix[k % len(mix)]
                 if k % 16 == 15:
                     mb.all_gather(xs[v], out=gathered)
                     bad.add_((gathered.view(torch.int32) != rows[v].view(torch.int32)).sum())
@@ -190,10 +210,10 @@ def _rank_graph(rank: int, name: str, seed: int, replays: int) -> dict:
         mb.close()
 
 
-def _rank_wrap(rank: int, name: str, seed: int, start: int) -> dict:
+def _rank_wrap(rank: int, name: str, seed: int, start: int, variant: str | None) -> dict:
     import torch
     torch.cuda.set_device(rank)
-    mb = CudaMailbox(name, rank, device=rank, timeout_s=30.0, epoch=start)
+    mb = CudaMailbox(name, rank, device=rank, timeout_s=30.0, epoch=start, variant=variant)
     try:
         results, epochs = [], []
         for i in range(12):
@@ -208,10 +228,10 @@ def _rank_wrap(rank: int, name: str, seed: int, start: int) -> dict:
         mb.close()
 
 
-def _rank_killed(rank: int, name: str, go, timeout_s: float) -> dict:
+def _rank_killed(rank: int, name: str, go, timeout_s: float, variant: str | None) -> dict:
     import torch
     torch.cuda.set_device(rank)
-    mb = CudaMailbox(name, rank, device=rank, timeout_s=timeout_s)
+    mb = CudaMailbox(name, rank, device=rank, timeout_s=timeout_s, variant=variant)
     x = torch.ones(4096, dtype=torch.bfloat16, device=f"cuda:{rank}")
     done, last_ok = 0, time.monotonic()
     try:
@@ -299,20 +319,104 @@ def test_arguments_are_checked_before_the_gpu_is_touched(segment):
         CudaMailbox(big.name, 0)
 
 
+def test_variants_parse_validate_and_name_their_kernels():
+    assert Variant().kernel == "mailbox_exchange_f2" and str(Variant()) == "classic"
+    assert make_variant("lean16").kernel == "mailbox_lean_w2" and make_variant("lean16").words_per_thread == 2
+    assert make_variant("lean8").kernel == "mailbox_lean_w1" and make_variant("lean8").words_per_thread == 1
+    assert make_variant("f3").kernel == "mailbox_exchange_f3" and make_variant("f3b16").blocks == 16
+    v = make_variant("lean8t128d300")
+    assert (v.flags, v.blocks, v.threads, v.delay_ns) == (12, 0, 128, 300) and str(v) == "lean8t128d300"
+    assert make_variant(str(v)) == v
+    # a name resets every field, bare fields keep the base's
+    assert make_variant("lean16", v) == Variant(flags=4)
+    assert make_variant("b8", v) == Variant(flags=12, blocks=8, threads=128, delay_ns=300)
+    assert parse_variant("f12d5") == {"flags": 12, "delay_ns": 5}
+    assert make_variant("f0", v) == Variant(flags=0, threads=128)          # the inherited delay is lean-only
+    with pytest.raises(ValueError):
+        make_variant("f0d300", v)
+    for bad in ("", "x", "lean", "lean8x", "f2lean8", "f16", "f8", "t48", "t512", "t0", "lean8d100001", "d300"):
+        with pytest.raises(ValueError):
+            make_variant(bad) if bad else parse_variant(bad)
+    assert variant_from_env({}) == Variant()
+    assert variant_from_env({"TANDEM_MAILBOX_FLAGS": "3"}) == Variant(flags=3)
+    assert variant_from_env({"TANDEM_MAILBOX_FLAGS": "3", "TANDEM_MAILBOX_VARIANT": "lean8d300"}) == \
+        Variant(flags=12, delay_ns=300)
+
+
+@pytest.mark.parametrize("variant", ["classic", "lean16", "lean8", "lean8t64", "lean16b3t32"])
+def test_launch_shape_covers_the_payload_with_resident_blocks(variant):
+    v, sms = make_variant(variant), 132
+    for words in (1, 2, 3, 255, 256, 257, 2560, 10240, 131072, 10**7):
+        blocks, threads = launch_shape(v, words, sms)
+        units = -(-words // v.words_per_thread)
+        cap = v.blocks or BLOCKS_PER_SM * THREADS * sms // threads   # the classic kernel's thread budget
+        assert threads == v.threads and 1 <= blocks <= cap
+        assert blocks * threads >= units or blocks == cap             # one unit per thread, grid-strided past the cap
+        assert (blocks - 1) * threads < units                         # no block without a unit
+        if not v.blocks:
+            assert blocks * threads <= BLOCKS_PER_SM * THREADS * sms
+
+
+def _kernel_params(src: str, macro: str, fn: str) -> list[str]:
+    """Parameter types of a kernel defined by `#define <macro>(X) extern "C" ... <fn>##X(<params>) {`."""
+    import re
+    body = src[src.index(f"#define {macro}"):]
+    m = re.search(re.escape(fn) + r"##\w+\((.*?)\)\s*\{", body, re.S)
+    assert m, f"no {fn} in {macro}"
+    params = [" ".join(p.replace("\\", " ").split()) for p in m.group(1).split(",")]
+    return [p.rsplit(" ", 1)[0] for p in params]
+
+
+@pytest.mark.parametrize("variant", ["classic", "f1", "lean16", "lean8d250"])
+def test_launch_arguments_match_the_kernel_parameters(variant, segment):
+    """What _exchange passes (count and width of every argument) is what the kernel takes, and the kernel
+    exists: a mismatch would hand the kernel garbage timeouts or delays on its first GPU run."""
+    import torch
+    from kernels.launch import CUDA_DIR
+    src = (CUDA_DIR / "exchange.cu").read_text()
+    v = make_variant(variant)
+    macro, fn = ("MB_LEAN_KERNEL", "mailbox_lean_w") if v.lean else ("MB_KERNEL", "mailbox_exchange_f")
+    suffix = v.kernel[len(fn):]
+    assert f"{macro}({suffix})" in src, f"{v.kernel} is not instantiated in exchange.cu"
+    params = _kernel_params(src, macro, fn)
+    calls = []
+    mb = object.__new__(CudaMailbox)                      # no GPU: only what _exchange reads
+    mb.rank, mb.tp, mb.words, mb.sms, mb.device, mb.clock_khz = 0, 2, 4096, 132, 0, 2_000_000
+    mb._ptr, mb._timeout_ns, mb._variant = 1 << 40, np.uint64(30 * 10**9), v
+    mb.state = torch.zeros(2, dtype=torch.int32)
+    mb._kernel = lambda source, name, device: (source, name)
+    mb._launch = lambda fn, grid, block, args, device: calls.append((fn, grid, block, args))
+    x = torch.zeros(5120, dtype=torch.bfloat16)
+    mb._exchange(x, 0, 5120, x, 0, gather=False, out_stride=0)
+    (fn_got, grid, block, args), = calls
+    assert fn_got == ("exchange", v.kernel)
+    assert (grid[0], block[0]) == launch_shape(v, 2560, 132)
+    width = {"const void*": 8, "void*": 8, "u64_t*": 8, "unsigned*": 8, "int": 4, "long long": 8, "u64_t": 8}
+    assert len(args) == len(params), (params, args)
+    for p, a in zip(params, args):
+        size = 8 if isinstance(a, torch.Tensor) else np.asarray(a).dtype.itemsize
+        assert width[p] == size, f"{v.kernel}: parameter {p} gets {type(a).__name__}"
+        if not isinstance(a, torch.Tensor) and p in ("int", "long long", "u64_t"):
+            assert np.asarray(a).dtype.kind in "iu"
+    if v.lean:
+        assert int(args[-1]) == v.delay_ns * 2                # ns -> cycles at 2 GHz
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU
 
 
 @gpu
+@pytest.mark.parametrize("variant", EXACT_VARIANTS, ids=_vid)
 @pytest.mark.parametrize("words", [131072, 4099])              # even: 16-byte word pairs; odd: 8-byte words
 @pytest.mark.parametrize("tp", [2, 3])
-def test_all_reduce_is_exact_and_identical_on_every_rank(tp, words, segment, seed, tmp_path):
+def test_all_reduce_is_exact_and_identical_on_every_rank(tp, words, variant, segment, seed, tmp_path):
     if _gpus() < tp:
         pytest.skip(f"needs {tp} GPUs")
     import torch
     dtypes = ["bfloat16", "float32"]
     shm = segment(tp, words)
-    out = _run(_rank_exactness, [(shm.name, seed, str(tmp_path), dtypes)] * tp)
+    out = _run(_rank_exactness, [(shm.name, seed, str(tmp_path), dtypes, variant)] * tp)
     assert len({o["epoch"] for o in out.values()}) == 1
     for i, n in enumerate(SIZES):
         for dtype in dtypes:
@@ -327,35 +431,39 @@ def test_all_reduce_is_exact_and_identical_on_every_rank(tp, words, segment, see
                                 f"sum (first at {int((h != w).nonzero()[0])})")
 
 
-def _graph_test(segment, seed, replays):
+def _graph_test(segment, seed, replays, variant):
     shm = segment(2, 8192)
-    out = _run(_rank_graph, [(shm.name, seed, replays)] * 2)
+    out = _run(_rank_graph, [(shm.name, seed, replays, variant)] * 2)
     for r in range(2):
         assert out[r]["bad"] == 0, f"rank {r}: {out[r]['bad']} mismatching elements over {replays} replays"
         assert out[r]["epoch"] == out[r]["exchanges"], f"rank {r}: epoch {out[r]['epoch']}, {out[r]}"
-    print(f"graph replay: {out[0]['us_per_exchange']:.2f} us per exchange (host-measured, with checks)")
+    print(f"graph replay ({_vid(variant)}): {out[0]['us_per_exchange']:.2f} us per exchange "
+          f"(host-measured, with checks)")
 
 
 @gpu
 @needs_gpus(2)
-def test_captured_graph_replays_stay_exact(segment, seed):
-    _graph_test(segment, seed, 2000)
+@pytest.mark.parametrize("variant", GRAPH_VARIANTS, ids=_vid)
+def test_captured_graph_replays_stay_exact(variant, segment, seed):
+    _graph_test(segment, seed, 2000, variant)
 
 
 @gpu
 @pytest.mark.slow
 @needs_gpus(2)
-def test_captured_graph_replays_stay_exact_1e5(segment, seed):
-    _graph_test(segment, seed, 100_000)
+@pytest.mark.parametrize("variant", OTHER_VARIANTS, ids=_vid)
+def test_captured_graph_replays_stay_exact_1e5(variant, segment, seed):
+    _graph_test(segment, seed, 100_000, variant)
 
 
 @gpu
 @needs_gpus(2)
-def test_exchanges_across_the_epoch_wrap(segment, seed):
+@pytest.mark.parametrize("variant", OTHER_VARIANTS, ids=_vid)
+def test_exchanges_across_the_epoch_wrap(variant, segment, seed):
     import torch
     shm = segment(2, 1000)
     start = PERIOD - 5
-    out = _run(_rank_wrap, [(shm.name, seed, start)] * 2)
+    out = _run(_rank_wrap, [(shm.name, seed, start, variant)] * 2)
     assert out[0]["epochs"] == out[1]["epochs"]
     e, expect = start, []
     for _ in range(12):
@@ -376,13 +484,14 @@ def test_exchanges_across_the_epoch_wrap(segment, seed):
 
 @gpu
 @needs_gpus(2)
-def test_a_killed_rank_sets_the_hang_word_and_the_other_raises(segment):
+@pytest.mark.parametrize("variant", OTHER_VARIANTS, ids=_vid)
+def test_a_killed_rank_sets_the_hang_word_and_the_other_raises(variant, segment):
     shm = segment(2, 4096)
     timeout = 2.0
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_child, args=(_rank_killed, q, r, shm.name, go, timeout if r == 0 else 600.0),
-                         daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_child, args=(_rank_killed, q, r, shm.name, go, timeout if r == 0 else 600.0,
+                                              variant), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -4,8 +4,16 @@ how many launches each column count gets, per weight kind."""
 import pytest
 
 from kernels import cuda_linear as cl
+from kernels.launch import KernelError
 
 SM = 132
+
+
+@pytest.fixture(autouse=True)
+def no_variant_in_the_environment(monkeypatch):
+    """route() reads TANDEM_GEMV_VARIANT; these tests pin it to the tensor-core route table ("tc");
+    the auto rule has its own test."""
+    monkeypatch.setenv(cl.VARIANT_ENV, "tc")
 
 
 @pytest.mark.parametrize("kind,tag", [("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")])
@@ -39,9 +47,83 @@ def test_bf16_beyond_two_columns_goes_to_cublas():
 
 def test_every_routed_kernel_exists_in_the_source():
     src = (cl.L.CUDA_DIR / "gemv.cu").read_text()
-    for kind in ("bf16", "fp8_row", "fp8_block", "nvfp4"):
-        for I in (5120, 1040):
-            for T in range(1, cl.GEMV_COLUMNS[kind] + 1):
-                for O in (48, 5120):
-                    r = cl.route(O, I, T, kind, SM)
-                    assert f" {r['kernel']}(" in src or f"({r['kernel']}," in src, r["kernel"]
+    for variant in cl.VARIANTS:
+        for kind in ("bf16", "fp8_row", "fp8_block", "nvfp4"):
+            for I in (5120, 1040, 1056):
+                for T in range(1, cl.GEMV_COLUMNS[kind] + 1):
+                    for O in (48, 5120):
+                        for swiglu in (False, True):
+                            r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)
+                            assert f" {r['kernel']}(" in src or f"({r['kernel']}," in src, r["kernel"]
+
+
+@pytest.mark.parametrize("kind,tag", [("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")])
+def test_pipelined_variant_takes_quantised_launches_of_up_to_8_columns(kind, tag):
+    for O, I in ((5120, 5120), (48, 5120), (1, 64), (34816, 5120), (248320, 5120)):
+        for T in range(1, 9):
+            for swiglu in (False, True):
+                r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="pipelined")
+                assert r["kernel"] == f"gemv_{tag}_pipe" and r["nt"] == 8 and r["block"] == (256,), (O, I, T, r)
+                tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
+                assert r["units"] == tiles and r["grid"][0] * (8 // r["ks"]) >= tiles
+                assert r["ks"] in (1, 2, 4, 8) and r["ks"] <= max(1, -(-(I // (32 if kind == "nvfp4" else 16)) // 4))
+        # beyond 8 columns the tensor-core kernels as before, in the same launches
+        for T, suffix in ((9, "16"), (16, "16"), (17, "32"), (32, "32"), (40, "32")):
+            assert cl.route(O, I, T, kind, SM, variant="pipelined")["kernel"] == f"gemv_{tag}_tc{suffix}"
+        assert cl.route(O, I, 65, kind, SM, variant="pipelined")["path"] == "dequant_matmul"
+    # the tensor-core route is unchanged
+    assert cl.route(5120, 5120, 1, kind, SM)["kernel"] == f"gemv_{tag}_tc"
+    assert cl.route(48, 5120, 1, kind, SM)["kernel"] == f"gemv_{tag}_t1"
+
+
+def test_pipelined_variant_leaves_what_it_does_not_serve():
+    # bf16, nvfp4 rows that are not 4-byte aligned in the scales (I % 64 == 32), nvfp4 half groups
+    for T in (1, 2):
+        assert cl.route(5120, 5120, T, "bf16", SM, variant="pipelined")["kernel"] == f"gemv_bf16_t{T}"
+    assert cl.route(5120, 1056, 1, "nvfp4", SM, variant="pipelined")["kernel"] == "gemv_nvfp4_tc"
+    assert cl.route(77, 1040, 3, "nvfp4", SM, variant="pipelined")["kernel"] == "gemv_nvfp4h_t16"
+    assert cl.route(77, 1040, 3, "fp8_row", SM, variant="pipelined")["kernel"] == "gemv_fp8row_pipe"
+    assert not cl.pipe_applies("nvfp4", 1056, 1) and cl.pipe_applies("nvfp4", 1088, 8)
+    assert not cl.pipe_applies("fp8_row", 5120, 9) and not cl.pipe_applies("bf16", 5120, 1)
+
+
+def test_pipelined_ks_fills_two_blocks_per_sm():
+    # q_proj 12288 x 5120: 768 tiles; ks 4 -> 384 blocks >= 2 x 132; gate|up 34816: ks 1 -> 272 blocks
+    assert cl.route(12288, 5120, 1, "nvfp4", SM, variant="pipelined")["ks"] == 4
+    assert cl.route(34816, 5120, 1, "nvfp4", SM, variant="pipelined")["ks"] == 1
+    # down 5120 x 17408: 320 tiles, never 264 blocks before ks 8
+    assert cl.route(5120, 17408, 1, "fp8_row", SM, variant="pipelined")["ks"] == 8
+    # a single step per row: one warp per tile
+    assert cl.route(300, 64, 1, "nvfp4", SM, variant="pipelined")["ks"] == 1
+
+
+def test_variant_from_the_environment(monkeypatch):
+    monkeypatch.setenv(cl.VARIANT_ENV, "pipelined")
+    assert cl.gemv_variant() == "pipelined"
+    assert cl.route(5120, 5120, 4, "nvfp4", SM)["kernel"] == "gemv_nvfp4_pipe"
+    assert cl.route(5120, 5120, 4, "nvfp4", SM, variant="tc")["kernel"] == "gemv_nvfp4_tc"
+    monkeypatch.setenv(cl.VARIANT_ENV, "")
+    assert cl.gemv_variant() == "auto"
+    monkeypatch.setenv(cl.VARIANT_ENV, "fast")
+    with pytest.raises(KernelError, match="TANDEM_GEMV_VARIANT"):
+        cl.route(5120, 5120, 4, "nvfp4", SM)
+    with pytest.raises(KernelError, match="unknown GEMV variant"):
+        cl.route(5120, 5120, 4, "nvfp4", SM, variant="fast")
+
+
+def test_auto_takes_the_pipelined_kernel_where_it_was_measured_faster():
+    """auto = pipelined for T <= 4 on the layers the tensor-core kernel splits over >= 4 warps (27B q,
+    o, GDN qkv/z, down), the tensor-core kernel on gate|up (split over 2), k/v (O = 1024) and T = 8."""
+    def kernel(O, I, T, kind, swiglu=False):
+        return cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="auto")["kernel"]
+    for kind, tag in (("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")):
+        for O, I in ((12288, 5120), (5120, 6144), (10240, 5120), (6144, 5120), (5120, 17408)):
+            for T in (1, 2, 4):
+                assert kernel(O, I, T, kind) == f"gemv_{tag}_pipe", (O, I, T, kind)
+            assert kernel(O, I, 8, kind) == f"gemv_{tag}_tc"
+        assert kernel(34816, 5120, 1, kind, swiglu=True) == f"gemv_{tag}_tc"
+        assert not kernel(1024, 5120, 1, kind).endswith("_pipe")
+        assert not kernel(1024, 5120, 4, kind).endswith("_pipe")
+    assert kernel(5120, 5120, 1, "bf16") == cl.route(5120, 5120, 1, "bf16", SM, variant="tc")["kernel"]
+    # nvfp4 rows must be 64-element multiples for the pipelined kernel: others keep the old kernels
+    assert not kernel(5120, 5120 + 32, 1, "nvfp4").endswith("_pipe")

@@ -4,12 +4,12 @@ exchanged by a kernel (kernels/cuda/exchange.cu) that writes its words and polls
 Same layout, same word format for float32 payloads (float32 bits low, epoch high; bf16 payloads are
 packed two elements to a word, which halves the PCIe traffic), same alternating slots, same sticky hang
 word, same float32 rank-order sums; what differs is who keeps the epoch. Here it lives in device memory
-(`state`, u32 [2]: last epoch used, a block counter) and the kernel advances it, so a captured CUDA graph
-replays with fresh epochs and no host involvement. The host never knows the current epoch without a sync
-(`epoch()` reads it). All ranks must start from the same epoch: `epoch=` names the last epoch used on
-the segment (0 for a fresh one; a CPU Mailbox's `.epoch` when handing a segment over), and no exchange
-may be in flight on the segment while a rank attaches. Do not interleave CPU and GPU flavors on one
-segment without handing the epoch over.
+(`state`, u32 [64]: last epoch used, and block / warp counters) and the kernel advances it, so a captured
+CUDA graph replays with fresh epochs and no host involvement. The host never knows the current epoch
+without a sync (`epoch()` reads it). All ranks must start from the same epoch: `epoch=` names the last
+epoch used on the segment (0 for a fresh one; a CPU Mailbox's `.epoch` when handing a segment over), and
+no exchange may be in flight on the segment while a rank attaches. Do not interleave CPU and GPU flavors
+on one segment without handing the epoch over.
 
     mb = CudaMailbox(name, rank, device=0, timeout_s=60.0)
     mb.all_reduce(x)          # in place, x bf16 or float32 CUDA [..]; capturable
@@ -18,11 +18,23 @@ segment without handing the epoch over.
 
 Payloads larger than a slot go in pieces of `piece_elements(words)` elements (twice that for bf16; one
 epoch each).
+
+Kernel variants (`Variant`; all speak the same words and epochs and keep the same device state, so any
+variant may follow any other on one mailbox, but both ranks should use the same one): the classic kernel
+mailbox_exchange_f<flags & 3> (the default, flags 2) and the lean kernel mailbox_lean_w1 / _w2 (flag 4;
+flag 8 for one 8-byte word per thread instead of a 16-byte pair; kernels/cuda/exchange.cu says what it
+does differently). A variant is written as in scripts/bench/allreduce.py --mailbox-variants: an optional
+name (classic = f2, lean16 = f4, lean8 = f12) followed by optional fields f<flags> b<grid cap in blocks>
+t<threads per block> d<first-poll delay in ns, lean only>, e.g. `lean8`, `lean8t128d300`, `f2b16`.
+TANDEM_MAILBOX_VARIANT selects one for every CudaMailbox of a process (TANDEM_MAILBOX_FLAGS=<int> still
+sets the flags alone); `CudaMailbox(..., variant=...)` and `mb.variant = ...` override it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import numpy as np
 import torch
@@ -32,14 +44,126 @@ from transport.mailbox import HEADER_BYTES, Mailbox, MailboxHang, segment_bytes
 PERIOD = 0xFFFF_FFFE                 # epochs run 1 .. PERIOD, then wrap to 1 (as in the CPU flavor)
 THREADS = 256                        # kernel block size (MB_THREADS in exchange.cu)
 MAX_TP = 8                           # MB_MAX_TP in exchange.cu
-BLOCKS_PER_SM = 2                    # grid cap: every block resident (the kernel allows 4 at 64 registers)
+STATE_WORDS = 64                     # MB_STATE_WORDS: device u32 state ([0] last epoch, [1] and [32] counters)
+BLOCKS_PER_SM = 2                    # grid cap: every block resident (launch bounds of the lean kernel: 2 per SM)
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x01, 0x02
 PROBE_BYTES = 4096
 # Kernel tuning flags (MB_FLAG_* in exchange.cu): 1 system fence after publishing, 2 only lane 0 of a warp
 # polls the hang word (the other lanes rely on their own timeout). 2 was as fast as 0 or faster at every
 # payload on two H200s, and keeps thousands of waiting threads off one host word; the fence was slower
-# (docs/perf.md). TANDEM_MAILBOX_FLAGS overrides (benchmarks).
+# (docs/perf.md). TANDEM_MAILBOX_FLAGS / TANDEM_MAILBOX_VARIANT override (benchmarks).
 FLAGS = 2
+FLAG_FENCE, FLAG_HANG_LANE0 = 1, 2   # classic kernel only (the lean one never fences; its lane 0 polls the hang word)
+FLAG_LEAN = 4                        # the lean kernel (mailbox_lean_w2: 16-byte word pairs per thread)
+FLAG_LEAN_W1 = 8                     # with FLAG_LEAN: one 8-byte word per thread (mailbox_lean_w1)
+ALL_FLAGS = FLAG_FENCE | FLAG_HANG_LANE0 | FLAG_LEAN | FLAG_LEAN_W1
+VARIANT_NAMES = {"classic": FLAGS, "lean16": FLAG_LEAN, "lean8": FLAG_LEAN | FLAG_LEAN_W1}
+MAX_DELAY_NS = 100_000
+_DEFAULT_CLOCK_KHZ = 1_980_000       # H200 boost clock: first-poll delay ns -> cycles if the device does not say
+_CUDA_DEV_ATTR_CLOCK_RATE = 13       # cudaDevAttrClockRate (kHz)
+_VARIANT_RE = re.compile(r"(?P<name>classic|lean16|lean8)?(?:f(?P<f>\d+))?(?:b(?P<b>\d+))?(?:t(?P<t>\d+))?"
+                         r"(?:d(?P<d>\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Which exchange kernel runs and how it is launched (see the module docstring)."""
+    flags: int = FLAGS
+    blocks: int = 0                  # grid cap; 0: BLOCKS_PER_SM x SMs blocks of THREADS (in threads)
+    threads: int = THREADS           # threads per block: a multiple of 32, at most THREADS
+    delay_ns: int = 0                # lean kernel: spin this long after publishing before the first poll
+
+    def __post_init__(self):
+        if not 0 <= self.flags <= ALL_FLAGS:
+            raise ValueError(f"mailbox flags {self.flags}: expected 0 .. {ALL_FLAGS}")
+        if self.blocks < 0:
+            raise ValueError(f"mailbox grid cap {self.blocks}: expected >= 0 (0: automatic)")
+        if not (32 <= self.threads <= THREADS and self.threads % 32 == 0):
+            raise ValueError(f"mailbox threads per block {self.threads}: expected a multiple of 32 in 32 .. "
+                             f"{THREADS}")
+        if not 0 <= self.delay_ns <= MAX_DELAY_NS:
+            raise ValueError(f"mailbox first-poll delay {self.delay_ns} ns: expected 0 .. {MAX_DELAY_NS}")
+        if self.flags & FLAG_LEAN_W1 and not self.lean:
+            raise ValueError(f"mailbox flags {self.flags}: flag 8 (one word per thread) needs flag 4 (the lean "
+                             f"kernel)")
+        if self.delay_ns and not self.lean:
+            raise ValueError("a first-poll delay (d<ns>) needs the lean kernel (flag 4: lean8, lean16)")
+
+    @property
+    def lean(self) -> bool:
+        return bool(self.flags & FLAG_LEAN)
+
+    @property
+    def words_per_thread(self) -> int:
+        """Words a thread owns per unit: 1 for mailbox_lean_w1, else 2 (a 16-byte pair)."""
+        return 1 if self.lean and self.flags & FLAG_LEAN_W1 else 2
+
+    @property
+    def kernel(self) -> str:
+        if self.lean:
+            return f"mailbox_lean_w{self.words_per_thread}"
+        return f"mailbox_exchange_f{self.flags & (FLAG_FENCE | FLAG_HANG_LANE0)}"
+
+    def __str__(self) -> str:
+        name = {v: k for k, v in VARIANT_NAMES.items()}.get(self.flags)
+        out = name if name is not None else f"f{self.flags}"
+        if self.blocks:
+            out += f"b{self.blocks}"
+        if self.threads != THREADS:
+            out += f"t{self.threads}"
+        if self.delay_ns:
+            out += f"d{self.delay_ns}"
+        return out
+
+
+def parse_variant(text: str) -> dict:
+    """The fields a variant string sets, e.g. 'f12t128d300' -> {flags: 12, threads: 128, delay_ns: 300}; a
+    name sets every field (its flags, the other fields' defaults) before the fields after it, so
+    'lean8t128' -> {flags: 12, blocks: 0, threads: 128, delay_ns: 0}. Apply them with
+    `dataclasses.replace(base, **fields)` (fields not set keep the base's value). ValueError for a
+    malformed string."""
+    m = _VARIANT_RE.fullmatch(text.strip()) if text and text.strip() else None
+    if m is None:
+        raise ValueError(f"mailbox variant {text!r}: expected [classic|lean16|lean8][f<flags>][b<blocks>]"
+                         f"[t<threads>][d<delay ns>], e.g. lean8, lean8t128d300, f2b16")
+    fields: dict = {}
+    if m.group("name") is not None:
+        fields = dataclasses.asdict(Variant(flags=VARIANT_NAMES[m.group("name")]))
+    for key, group in (("flags", "f"), ("blocks", "b"), ("threads", "t"), ("delay_ns", "d")):
+        if m.group(group) is not None:
+            fields[key] = int(m.group(group))
+    return fields
+
+
+def make_variant(text: str | None = None, base: Variant | None = None) -> Variant:
+    """`base` (default: Variant()) with the fields of `text` applied; validated. A delay inherited from the
+    base is dropped when the flags select the classic kernel (it has none); a delay given is kept (error)."""
+    base = Variant() if base is None else base
+    if not text:
+        return base
+    fields = parse_variant(text)
+    if "delay_ns" not in fields and not fields.get("flags", base.flags) & FLAG_LEAN:
+        fields["delay_ns"] = 0
+    return dataclasses.replace(base, **fields)
+
+
+def variant_from_env(environ=None) -> Variant:
+    """TANDEM_MAILBOX_FLAGS (an int: the flags alone), then TANDEM_MAILBOX_VARIANT (a variant string)."""
+    environ = os.environ if environ is None else environ
+    base = Variant()
+    flags = environ.get("TANDEM_MAILBOX_FLAGS")
+    if flags:
+        base = dataclasses.replace(base, flags=int(flags))
+    return make_variant(environ.get("TANDEM_MAILBOX_VARIANT") or None, base)
+
+
+def launch_shape(v: Variant, words: int, sms: int) -> tuple[int, int]:
+    """(blocks, threads) of one exchange of `words` payload words: one unit (words_per_thread words) per
+    thread, the grid capped so that every block stays resident (BLOCKS_PER_SM blocks of THREADS per SM,
+    counted in threads) unless the variant names its own cap."""
+    units = -(-words // v.words_per_thread)
+    cap = v.blocks or max(1, BLOCKS_PER_SM * sms * THREADS // v.threads)
+    return max(1, min(-(-units // v.threads), cap)), v.threads
 
 
 def next_epoch(e: int) -> int:
@@ -78,7 +202,8 @@ def check_start_epoch(slots: np.ndarray, epoch: int) -> None:
 class CudaMailbox:
     """One rank's GPU view of the segment."""
 
-    def __init__(self, name: str, rank: int, device: int | None = None, timeout_s: float = 60.0, epoch: int = 0):
+    def __init__(self, name: str, rank: int, device: int | None = None, timeout_s: float = 60.0, epoch: int = 0,
+                 variant: Variant | str | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self._mb = Mailbox(name, rank, timeout_s)        # attach, check magic/version/rank; CPU views
@@ -88,6 +213,9 @@ class CudaMailbox:
             if self.tp > MAX_TP:
                 raise ValueError(f"the GPU mailbox supports up to {MAX_TP} ranks, the segment has {self.tp}")
             check_start_epoch(self._mb.slots, epoch)
+            base = variant_from_env()
+            self._variant = (variant if isinstance(variant, Variant)
+                             else make_variant(variant, base) if variant else base)
         except BaseException:
             self._mb.close()
             raise
@@ -108,11 +236,12 @@ class CudaMailbox:
                     self._ptr = host
             self._kernel = launch.kernel
             self._launch = launch.launch
-            self.max_blocks = BLOCKS_PER_SM * launch.sm_count(self.device)
-            self.state = torch.tensor(np.array([epoch, 0], dtype=np.uint32).view(np.int32),
-                                      device=f"cuda:{self.device}")
+            self.sms = launch.sm_count(self.device)
+            state = np.zeros(STATE_WORDS, dtype=np.uint32)
+            state[0] = epoch
+            self.state = torch.tensor(state.view(np.int32), device=f"cuda:{self.device}")
             self._timeout_ns = np.uint64(int(timeout_s * 1e9))
-            self.flags = int(os.environ.get("TANDEM_MAILBOX_FLAGS", FLAGS))
+            self.clock_khz = _clock_khz(self.device)
         except BaseException:
             self.close()
             raise
@@ -144,6 +273,16 @@ class CudaMailbox:
         for at, k in pieces(n, self.words, packed=t.dtype == torch.bfloat16):
             self._exchange(t, at, k, out, at, gather=True, out_stride=n)
         return out
+
+    @property
+    def variant(self) -> Variant:
+        """The exchange kernel and launch shape (see the module docstring). Both ranks must switch together,
+        between exchanges (a capture records the variant of each launch)."""
+        return self._variant
+
+    @variant.setter
+    def variant(self, v: Variant | str) -> None:
+        self._variant = v if isinstance(v, Variant) else make_variant(v, self._variant)
 
     def barrier(self) -> None:
         """One exchange of one element, then a stream sync (raises MailboxHang)."""
@@ -225,12 +364,25 @@ class CudaMailbox:
     def _exchange(self, src: torch.Tensor, at: int, n: int, dst: torch.Tensor, dst_at: int, gather: bool,
                   out_stride: int) -> None:
         words = (n + 1) // 2 if src.dtype == torch.bfloat16 else n
-        blocks = min(-(-((words + 1) // 2) // THREADS), self.max_blocks)
+        v = self._variant
+        blocks, threads = launch_shape(v, words, self.sms)
         args = (np.uint64(src.data_ptr() + at * src.element_size()),
                 np.uint64(dst.data_ptr() + dst_at * dst.element_size()),
                 np.uint64(self._ptr), self.state,
                 np.int32(self.rank), np.int32(self.tp), np.int64(self.words), np.int32(n),
                 np.int32(src.dtype == torch.float32), np.int32(dst.dtype == torch.float32),
                 np.int32(gather), np.int64(out_stride), self._timeout_ns)
-        fn = self._kernel("exchange", f"mailbox_exchange_f{self.flags & 3}", self.device)
-        self._launch(fn, (blocks,), (THREADS,), args, device=self.device)
+        if v.lean:
+            args += (np.int64(v.delay_ns * self.clock_khz // 1_000_000),)
+        fn = self._kernel("exchange", v.kernel, self.device)
+        self._launch(fn, (blocks,), (threads,), args, device=self.device)
+
+
+def _clock_khz(device: int) -> int:
+    """The SM clock in kHz (for the lean kernel's first-poll delay, a clock64 spin)."""
+    try:
+        import cupy
+        khz = int(cupy.cuda.runtime.deviceGetAttribute(_CUDA_DEV_ATTR_CLOCK_RATE, device))
+        return khz if khz > 0 else _DEFAULT_CLOCK_KHZ
+    except Exception:                                    # noqa: BLE001 - an approximate delay is fine
+        return _DEFAULT_CLOCK_KHZ

@@ -10,15 +10,20 @@
 // Epochs come from device memory, so a captured CUDA graph replays with fresh epochs without the host:
 // state[0] holds the last epoch used; every block reads it at its start and uses e = state[0] % (2^32 - 2)
 // + 1 (1 .. 2^32 - 2, an even period: the slots keep alternating across the wrap); the block that finishes
-// last (state[1] counts finished blocks) stores e into state[0] and resets state[1]. Consecutive exchanges
-// are consecutive launches on one stream, so the next launch sees the new epoch.
+// last (state[1] counts finished blocks) stores e into state[0] and resets state[1] (the lean kernel counts
+// warps in state[MB_LEAN_TICKET] instead). Consecutive exchanges are consecutive launches on one stream, so
+// the next launch sees the new epoch.
 //
 // Why a slot can be rewritten: a rank writes exchange e + 2 (same slot as e) only after its launch for
 // e + 1 finished, which needed every peer's e + 1 words, which each peer wrote only after its launch for
 // e had finished reading (stream order: launches of one rank do not overlap).
 //
-// Thread layout: a thread owns chunks of 2 consecutive words (one 16-byte pair: 4 bf16 or 2 float32
-// elements), grid-strided.
+// Two kernels share this protocol (same words, same epochs, same state; any launch of either may follow
+// any launch of the other on one mailbox): mailbox_exchange_f<flags> (below: the classic kernel) and
+// mailbox_lean_w<1|2> (the lean kernel, after it: its own comment says what it does differently).
+//
+// Thread layout (classic kernel): a thread owns chunks of 2 consecutive words (one 16-byte pair: 4 bf16
+// or 2 float32 elements), grid-strided.
 // Phase 1 writes all its chunks' words to the own slot; phase 2 polls every peer's words of the same
 // chunks, sums in float32 in rank order 0 .. tp-1 (bit-identical on every rank) and stores. A block waits
 // only for words that peer threads write unconditionally in their own phase 1, so blocks never depend on
@@ -45,6 +50,7 @@ typedef unsigned long long u64_t;
 #define MB_HEADER_WORDS 8          // 64 bytes
 #define MB_HANG_WORD 3             // byte offset 24
 #define MB_PERIOD 0xFFFFFFFEu      // epochs run 1 .. MB_PERIOD
+#define MB_STATE_WORDS 64          // device state words (transport/mailbox_cuda.py STATE_WORDS)
 // Tuning flags (kernel mailbox_exchange_f<flags>, transport/mailbox_cuda.py FLAGS):
 #define MB_FLAG_FENCE 1            // a system fence after publishing, before polling
 #define MB_FLAG_HANG_LANE0 2       // only lane 0 of a warp polls the hang word (the others rely on their timeout)
@@ -134,7 +140,8 @@ __device__ __forceinline__ bool wait_words(const u64_t* p, bool two, bool vec, u
 //   out:   gather = 0: the sum, [n] bf16 (out_f32 = 0) or float32 (out_f32 = 1); may alias in
 //          gather = 1: every rank's elements as float32, row p at out + p * out_stride
 //   seg:   the mapped segment (host memory; header first)
-//   state: device u32 [2]: last epoch used, blocks finished with the current exchange (0 between launches)
+//   state: device u32 [MB_STATE_WORDS]: [0] last epoch used, [1] blocks finished with the current exchange
+//          (0 between launches); [MB_LEAN_TICKET] the lean kernel's counter (below; also 0 between launches)
 template <int flags>
 __device__ __forceinline__ void mailbox_exchange_body(const void* in, void* out, u64_t* seg, unsigned* state, int rank,
                                                       int tp, long long words, int n, int in_f32, int out_f32,
@@ -255,3 +262,328 @@ MB_KERNEL(0)
 MB_KERNEL(1)
 MB_KERNEL(2)
 MB_KERNEL(3)
+
+// ------------------------------------------------------------------------------------------------------
+// The lean kernel: the same words, epochs, slots, clearing and hang word as the classic kernel above, with
+// less fixed cost around the two PCIe trips (write the own slot, read the peer's). Kernels
+// mailbox_lean_w1 (a thread owns 1 word: 8-byte stores and polls, twice the warps of the classic kernel
+// for a payload) and mailbox_lean_w2 (2 words: 16-byte pairs, as the classic kernel); flags 4 and 4 | 8 in
+// transport/mailbox_cuda.py. What differs:
+//
+// * Start: no block-wide epoch broadcast. Every warp issues its own input loads first and then has lane 0
+//   read the epoch (ld.acquire, shuffled to the warp), so the two device-memory latencies overlap instead of
+//   "thread 0 loads, __syncthreads, every thread loads its input". No __syncthreads anywhere.
+// * End: no __syncthreads + atomic round trip after the work. Lane 0 of every warp draws a ticket
+//   (atomicAdd on state[MB_LEAN_TICKET], a counter of its own 128 bytes after the epoch, so that the
+//   tickets do not queue in front of other warps' epoch reads in one L2 line) right after reading the
+//   epoch; the ticket's value is needed only when the warp is done, so its latency hides behind the PCIe
+//   trips. The warp holding the last ticket (every warp of the launch has read state[0] before drawing its
+//   ticket: the acquire orders the read before the atomic) stores the counter back to 0 and state[0] = e
+//   when it is done, as the classic kernel's last block does with its own counter state[1]; so the two
+//   kernels keep the same state (last epoch in state[0], both counters 0 between launches).
+// * Polling is warp-collective: every warp issues the first polls of all its words (every peer, every unit
+//   of the round) at once, then loops while any lane still holds a stale word (__any_sync), re-polling only
+//   the stale units; lane 0 reads the hang word and the clock (after the first 64 polls, every 16th) and
+//   the whole warp gives up together, so a warp never waits out its own timeout after another rank's.
+// * Optional first-poll delay (delay_cycles, clock64 spin after publishing): when both ranks publish at the
+//   same moment, a poll issued right after the own stores can reach host memory before the peer's words
+//   do, and every miss costs one more full PCIe read round trip (the next look is the next load; more
+//   loads in flight would not help: a warp still waits for its outstanding loads before it can finish).
+//   The exchange ends when its slowest warp has a hit, so with many warps some first poll nearly always
+//   misses. A delay a bit longer than the write/read skew turns the first poll into a hit; it costs the
+//   delay when the peer was there first. 0 = poll at once (a tuning knob: measure).
+// * Rounds: for tp == 2 a thread handles up to 4 / W units per round (stores of all its units first, then
+//   the polls of a round all in flight); other tp one unit per round and up to 8 ranks' words in registers.
+//   Round r's unit i of thread g is ((r * B + i) * G + g): a warp's units are contiguous (coalesced) and
+//   loop bounds depend on the warp's first thread only, so every loop is warp-uniform.
+// * Input words are read with 4- or 8-byte loads when the input is aligned (two 16-bit loads otherwise),
+//   and round 0's input stays in registers for phase 2 (no re-read).
+//
+// Launch: blockDim.x a multiple of 32 (<= MB_THREADS); the host caps the grid so every block is resident
+// (launch bounds: 2 blocks of MB_THREADS per SM, at most 128 registers).
+
+#define MB_FULL_MASK 0xffffffffu
+#define MB_LEAN_TICKET 32          // state[32]: the lean kernel's warp counter (128 bytes after the epoch)
+
+// Own data of word k (the low half of the word): float32 bits, or two packed bf16 (0 past n).
+__device__ __forceinline__ unsigned own_data(const void* in, long long k, int n, int packed, bool al4) {
+    if (!packed) return ((const unsigned*)in)[k];
+    if (al4 && 2 * k + 1 < n) return ((const unsigned*)in)[k];
+    const unsigned short* h = (const unsigned short*)in;
+    const unsigned lo = h[2 * k];
+    const unsigned hi = 2 * k + 1 < n ? (unsigned)h[2 * k + 1] : 0u;
+    return lo | (hi << 16);
+}
+
+// The own data of unit words k0 .. k0 + W - 1 (0 past nw).
+template <int W>
+__device__ __forceinline__ void load_unit(const void* in, long long k0, long long nw, int n, int packed, bool al4,
+                                          bool al8, unsigned* d) {
+    if (W == 2 && al8 && (packed ? 2 * k0 + 3 < n : k0 + 1 < n)) {
+        const uint2 v = *(const uint2*)((const unsigned*)in + k0);
+        d[0] = v.x;
+        d[1] = v.y;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) d[j] = k0 + j < nw ? own_data(in, k0 + j, n, packed, al4) : 0u;
+}
+
+// Publish unit words k0 .. (< nw) with the tag.
+template <int W>
+__device__ __forceinline__ void store_unit(u64_t* mine, long long k0, long long nw, bool vec, u64_t tag,
+                                           const unsigned* d) {
+    if (W == 2 && k0 + 1 < nw) {
+        if (vec) {
+            st_words2(mine + k0, tag | d[0], tag | d[1]);
+        } else {
+            st_word(mine + k0, tag | d[0]);
+            st_word(mine + k0 + 1, tag | d[1]);
+        }
+    } else {
+        st_word(mine + k0, tag | d[0]);
+    }
+}
+
+// Poll unit words k0 .. (< nw) of a peer's slot into w (words past nw keep their value).
+template <int W>
+__device__ __forceinline__ void poll_unit(const u64_t* q, long long k0, long long nw, bool vec, u64_t* w) {
+    if (W == 2 && k0 + 1 < nw) {
+        if (vec) {
+            ld_words2(q + k0, w[0], w[1]);
+        } else {
+            w[0] = ld_word(q + k0);
+            w[1] = ld_word(q + k0 + 1);
+        }
+    } else {
+        w[0] = ld_word(q + k0);
+    }
+}
+
+// The own data of round r's units (0 for units past the payload).
+template <int W, int B>
+__device__ __forceinline__ void load_round(const void* in, long long r, long long G, long long g, long long units,
+                                           long long nw, int n, int packed, bool al4, bool al8, unsigned (&d)[B * W]) {
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+        const long long u = (r * B + i) * G + g;
+        if (u < units) {
+            load_unit<W>(in, u * W, nw, n, packed, al4, al8, d + i * W);
+        } else {
+#pragma unroll
+            for (int j = 0; j < W; ++j) d[i * W + j] = 0u;
+        }
+    }
+}
+
+template <int W, int B>
+__device__ __forceinline__ void store_round(u64_t* mine, long long r, long long G, long long g, long long units,
+                                            long long nw, bool vec, u64_t tag, const unsigned (&d)[B * W]) {
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+        const long long u = (r * B + i) * G + g;
+        if (u < units) store_unit<W>(mine, u * W, nw, vec, tag, d + i * W);
+    }
+}
+
+// Wait (warp-collectively) until every peer word in a carries epoch e. Words that are current from the start
+// (the own row, rows past tp, words past the payload) are never polled. false: the warp gives up (the hang
+// word is set, by another rank or by lane 0 here after its timeout).
+template <int W, int P, int B>
+__device__ __forceinline__ bool lean_wait(const u64_t* slots, long long words, int rank, int tp, long long r,
+                                          long long G, long long g, long long units, long long nw, bool vec,
+                                          unsigned e, u64_t (&a)[P][B * W], u64_t* hang, u64_t timeout_ns,
+                                          u64_t& deadline) {
+    unsigned spins = 0, ns = 32;
+    while (true) {
+        bool stale = false;
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+#pragma unroll
+            for (int j = 0; j < B * W; ++j) stale |= (unsigned)(a[p][j] >> 32) != e;
+        if (!__any_sync(MB_FULL_MASK, stale)) return true;
+        if (++spins > 64) {
+            if ((spins & 15) == 0) {                            // warp-uniform: spins is the same in every lane
+                int stop = 0;
+                if ((threadIdx.x & 31) == 0) {
+                    if (ld_word(hang) != 0ull) {
+                        stop = 1;
+                    } else {
+                        const u64_t now = global_ns();
+                        if (deadline == 0ull) {
+                            deadline = now + timeout_ns;
+                        } else if (now > deadline) {
+                            if (ld_word(hang) == 0ull) st_word(hang, (u64_t)(rank + 1));
+                            stop = 1;
+                        }
+                    }
+                }
+                if (__shfl_sync(MB_FULL_MASK, stop, 0)) return false;
+            }
+            sleep_ns(ns);
+            ns = ns < 64u ? ns * 2u : 100u;
+        }
+        // re-poll the stale units only (all of them in flight at once)
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+#pragma unroll
+            for (int i = 0; i < B; ++i) {
+                bool st = false;
+#pragma unroll
+                for (int j = 0; j < W; ++j) st |= (unsigned)(a[p][i * W + j] >> 32) != e;
+                if (st)                                         // implies p < tp, p != rank, the unit exists
+                    poll_unit<W>(slots + (long long)p * 2 * words, ((r * B + i) * G + g) * W, nw, vec,
+                                 a[p] + i * W);
+            }
+        }
+    }
+}
+
+// Write word k's elements: the rank-order float32 sum (or every rank's value when gathering).
+template <int P>
+__device__ __forceinline__ void lean_emit(const u64_t (&w)[P], long long k, void* out, int tp, int n, int packed,
+                                          int out_f32, int gather, long long out_stride, bool oal4) {
+    const int m = packed ? 2 : 1;
+    const long long i0 = packed ? 2 * k : k;
+    if (gather) {
+        float* o = (float*)out;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (p >= tp) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (h < m && i0 + h < n) o[p * out_stride + i0 + h] = word_value(w[p], h, packed);
+        }
+        return;
+    }
+    float s[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        s[h] = word_value(w[0], h, packed);
+#pragma unroll
+        for (int p = 1; p < P; ++p)                               // float32, rank order 0, 1, ..., tp-1
+            if (p < tp) s[h] += word_value(w[p], h, packed);
+    }
+    if (out_f32) {
+        float* o = (float*)out;
+        o[i0] = s[0];
+        if (m == 2 && i0 + 1 < n) o[i0 + 1] = s[1];
+    } else if (m == 2 && i0 + 1 < n && oal4) {
+        ((unsigned*)out)[k] = (unsigned)f32_to_bf16(s[0]) | ((unsigned)f32_to_bf16(s[1]) << 16);
+    } else {
+        bf16_t* o = (bf16_t*)out;
+        o[i0] = f32_to_bf16(s[0]);
+        if (m == 2 && i0 + 1 < n) o[i0 + 1] = f32_to_bf16(s[1]);
+    }
+}
+
+// W words per unit, P rank rows in registers (2 when tp == 2, else MB_MAX_TP), B units per round.
+template <int W, int P, int B>
+__device__ __forceinline__ void lean_body(const void* in, void* out, u64_t* seg, unsigned* state, int rank, int tp,
+                                          long long words, int n, int in_f32, int out_f32, int gather,
+                                          long long out_stride, u64_t timeout_ns, long long delay_cycles) {
+    const int lane = threadIdx.x & 31;
+    const long long G = (long long)gridDim.x * blockDim.x;
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long g0 = g - lane;                          // the warp's first thread: warp-uniform bounds
+    const int packed = !in_f32;
+    const long long nw = packed ? ((long long)n + 1) >> 1 : (long long)n;   // words of this exchange
+    const long long units = (nw + W - 1) / W;
+    const bool al4 = (((unsigned long long)in) & 3ull) == 0ull;
+    const bool al8 = (((unsigned long long)in) & 7ull) == 0ull;
+    u64_t* hang = seg + MB_HANG_WORD;
+
+    // Round 0's input first: those loads are in flight while lane 0 reads the epoch.
+    unsigned d0[B * W];
+    load_round<W, B>(in, 0, G, g, units, nw, n, packed, al4, al8, d0);
+    unsigned e = 0u, ticket = 0u;
+    if (lane == 0) {
+        e = ld_acquire_u32(state) % MB_PERIOD + 1u;        // acquire: the read is ordered before the ticket
+        ticket = atomicAdd(state + MB_LEAN_TICKET, 1u);    // its value is needed only at the end
+    }
+    e = __shfl_sync(MB_FULL_MASK, e, 0);
+    const u64_t tag = (u64_t)e << 32;
+    u64_t* slots = seg + MB_HEADER_WORDS + (long long)(e & 1u) * words;     // rank r's slot: slots + r*2*words
+    u64_t* mine = slots + (long long)rank * 2 * words;
+    const bool vec = (((unsigned long long)mine) & 15ull) == 0ull;          // same for every rank's slot
+
+    // Phase 1: publish this rank's words (every unit of this thread, all rounds).
+    store_round<W, B>(mine, 0, G, g, units, nw, vec, tag, d0);
+    for (long long r = 1; r * B * G + g0 < units; ++r) {
+        unsigned d[B * W];
+        load_round<W, B>(in, r, G, g, units, nw, n, packed, al4, al8, d);
+        store_round<W, B>(mine, r, G, g, units, nw, vec, tag, d);
+    }
+    if (e <= 2u || e >= MB_PERIOD - 1u) {                   // first and last use of a slot in a pass
+        for (long long k = nw + g; k < words; k += G) st_word(mine + k, 0ull);
+        __threadfence_system();      // cleared before any later exchange's words become visible
+    }
+    if (delay_cycles > 0) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < delay_cycles) {
+        }
+    }
+
+    // Phase 2: collect every peer's words of the same units, a round at a time.
+    const bool oal4 = (((unsigned long long)out) & 3ull) == 0ull;
+    u64_t deadline = 0ull;
+    for (long long r = 0; r * B * G + g0 < units; ++r) {
+        unsigned d[B * W];
+        if (r == 0) {
+#pragma unroll
+            for (int j = 0; j < B * W; ++j) d[j] = d0[j];
+        } else {                            // read before this round's outputs are written (out may alias in)
+            load_round<W, B>(in, r, G, g, units, nw, n, packed, al4, al8, d);
+        }
+        u64_t a[P][B * W];
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+#pragma unroll
+            for (int j = 0; j < B * W; ++j) a[p][j] = tag | d[j];        // current: never polled
+#pragma unroll
+        for (int p = 0; p < P; ++p) {                                      // first polls, all in flight
+            if (p >= tp || p == rank) continue;
+#pragma unroll
+            for (int i = 0; i < B; ++i) {
+                const long long u = (r * B + i) * G + g;
+                if (u < units) poll_unit<W>(slots + (long long)p * 2 * words, u * W, nw, vec, a[p] + i * W);
+            }
+        }
+        if (!lean_wait<W, P, B>(slots, words, rank, tp, r, G, g, units, nw, vec, e, a, hang, timeout_ns, deadline))
+            break;                                                         // the hang word is set
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            const long long u = (r * B + i) * G + g;
+            if (u >= units) continue;
+#pragma unroll
+            for (int j = 0; j < W; ++j) {
+                const long long k = u * W + j;
+                if (k >= nw) continue;
+                u64_t w[P];
+#pragma unroll
+                for (int p = 0; p < P; ++p) w[p] = a[p][i * W + j];
+                lean_emit<P>(w, k, out, tp, n, packed, out_f32, gather, out_stride, oal4);
+            }
+        }
+    }
+
+    // The warp with the last ticket publishes the epoch for the next launch (every warp has read it).
+    if (lane == 0 && ticket == gridDim.x * (blockDim.x >> 5) - 1u) {
+        *(volatile unsigned*)(state + MB_LEAN_TICKET) = 0u;
+        *(volatile unsigned*)state = e;
+    }
+}
+
+#define MB_LEAN_KERNEL(W) \
+    extern "C" __global__ void __launch_bounds__(MB_THREADS, 2) mailbox_lean_w##W( \
+        const void* in, void* out, u64_t* seg, unsigned* state, int rank, int tp, long long words, int n, \
+        int in_f32, int out_f32, int gather, long long out_stride, u64_t timeout_ns, long long delay_cycles) { \
+        if (tp == 2) \
+            lean_body<W, 2, 4 / W>(in, out, seg, state, rank, tp, words, n, in_f32, out_f32, gather, out_stride, \
+                                   timeout_ns, delay_cycles); \
+        else \
+            lean_body<W, MB_MAX_TP, 1>(in, out, seg, state, rank, tp, words, n, in_f32, out_f32, gather, \
+                                       out_stride, timeout_ns, delay_cycles); \
+    }
+MB_LEAN_KERNEL(1)
+MB_LEAN_KERNEL(2)

@@ -25,7 +25,9 @@
 //
 // fp8row / fp8blk / nvfp4 (I % 32 == 0) use the tensor-core kernels gemv_*_tc* further down (16-row
 // tiles, mma.sync bf16, up to 32 columns; see the comment there); the kernels below serve bf16, nvfp4h and
-// quantised layers too small to fill the GPU at T = 1.
+// quantised layers too small to fill the GPU at T = 1. gemv_*_pipe (after the tensor-core kernels) are
+// the same tensor-core GEMV for T <= 8 with the weights streamed through a cp.async ring in shared
+// memory (TANDEM_GEMV_VARIANT=pipelined; not the default route yet).
 //
 // Epilogue `mode`: 0 store bf16(y); 1 residual: bf16(residual + bf16(y)); 2 SwiGLU over a gate|up
 // weight of 2F rows: out[T, F] = bf16(bf16(silu(bf16(gate))) * bf16(up)).
@@ -687,6 +689,375 @@ GEMV_TC_KERNEL(gemv_nvfp4_tc16, KIND_NVFP4, 2)
 GEMV_TC_KERNEL(gemv_fp8row_tc32, KIND_FP8ROW, 4)
 GEMV_TC_KERNEL(gemv_fp8blk_tc32, KIND_FP8BLK, 4)
 GEMV_TC_KERNEL(gemv_nvfp4_tc32, KIND_NVFP4, 4)
+
+// ------------------------------------------------------------------------------------------------
+// Pipelined tensor-core decode GEMV for quantised weights, T <= 8 columns (one column tile of 8):
+// gemv_{fp8row,fp8blk,nvfp4}_pipe. Chosen by TANDEM_GEMV_VARIANT=pipelined (kernels/cuda_linear.py
+// route); not the default route yet.
+//
+// Same tiles, fragments, math and epilogue as gemv_*_tc with one column tile (see above): a warp owns
+// 16 rows, lane (g, t) supplies rows g and g+8 of chunk 4q + t in step q, and ks warps of a block
+// split the steps (warp kslot takes q = kslot, kslot + ks, ...). What differs is how the weight bytes
+// travel. gemv_*_tc loads U steps into registers and then decodes them, so a warp has nothing in
+// flight while it decodes, and the registers holding loads cap the occupancy (~127 registers, 2
+// blocks per SM, at most ~32 KiB in flight per SM). Here every lane copies its own chunks (and nvfp4
+// scale words) with cp.async into a private ring of D stages in shared memory, D steps ahead:
+//
+//   prologue: issue steps 0 .. D-1 (one commit group per step, empty groups past the last step)
+//   step j:   cp.async.wait_group D-1 (group j has landed), read the stage from shared memory,
+//             decode and multiply it, then issue step j + D into the same slot
+//
+// so D-1 .. D steps of weight loads stay in flight during the decode without holding registers. A lane
+// reads only the slots it wrote itself, so no barrier is needed: wait_group makes a thread's own
+// copies visible to it, and a slot is refilled only after the mma that consumed its bytes has been
+// issued (in-order issue, so the shared loads feeding it have completed). Chunks past the row end are
+// zero-filled (src-size 0, the source is then the tensor base and is not read) and get x = 0.
+//
+// Shared memory per block (static, <= 48 KiB, so no opt-in attribute): weights D x 2 rows x 256
+// lanes x 16 B, nvfp4 scale words D x 2 x 256 x 4 B, the reduction 4 KiB; nvfp4 D = 4, fp8 D = 5,
+// 44 KiB either way. __launch_bounds__(256, PIPE_MIN_BLOCKS): as many blocks per SM as its shared
+// memory holds. sm_90/100 (228 KiB per SM): 4 blocks, <= 64 registers (ptxas emits the same loop at
+// 64 as at 80), 32 warps with ~3.5 KiB of weight loads in flight each, ~112 KiB per SM; sm_80/87
+// (164 KiB): 3; sm_86/89/120 (100 KiB): 2 (at 64 registers sm_120 would spill). The gemv_*_tc
+// kernels: 2 blocks (16 warps), <= ~32 KiB in flight.
+//
+// nvfp4 scales: lane t copies the 4-byte word holding the scale bytes of chunks 4q + (t & 2) and +1
+// (lanes t and t^1 copy the same word) and uses half t & 1. cp.async needs 4-byte aligned sources,
+// hence I % 64 == 0 (cuda_linear.route keeps other nvfp4 shapes on the older kernels).
+//
+// The arithmetic is tc_step's (pipe_step below is its one-tile case), with two cheaper nvfp4 decodes
+// that give the same bf16x2 words bit for bit (fp4x8_bf16x4: 13 integer operations per weight word
+// instead of 17; fp8x2_scales_bf16x2_2p118: both group scales of a chunk at once), so the products,
+// and the results, are those of gemv_nvfp4_tc. Every step but a row's last, partial one runs a copy
+// of the step compiled for all-live lanes (no zeroing of x), and issues its copies without the
+// zero-fill selects. Measured with ptxas (sm_90a): ~190 instructions per step of the nvfp4 decode and
+// ~40 of ring and loop per KiB of weights; gemv_nvfp4_tc: ~233 per KiB in its unrolled loop.
+
+#define PIPE_D_NVFP4 4
+#define PIPE_D_FP8 5
+// Blocks per SM the register budget is cut for: as many as the SM's shared memory holds.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200
+#define PIPE_MIN_BLOCKS 4                                             // sm_90, sm_100: 228 KiB per SM
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870)
+#define PIPE_MIN_BLOCKS 3                                             // sm_80, sm_87: 164 KiB
+#else
+#define PIPE_MIN_BLOCKS 2                                             // sm_86, sm_89, sm_120: 100 KiB
+#endif
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, bypassing L1; n = 16, or 0 to zero-fill without reading. The L2::256B
+// hint lets L2 fetch the whole aligned 256-byte block (the row's next steps).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned n) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+// 4 bytes global -> shared; n = 4, or 0 to zero-fill.
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, unsigned n) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// volatile: never hoisted above the cp.async.wait_group that makes the bytes visible.
+__device__ __forceinline__ uint4 lds16(unsigned a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
+__device__ __forceinline__ unsigned lds4(unsigned a) {
+    unsigned v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+// (a & C) | (b & ~C) for a constant C, as one LOP3 (the compiler splits the C++ form into two).
+template <unsigned C>
+__device__ __forceinline__ unsigned mux_bits(unsigned a, unsigned b) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xe4;" : "=r"(d) : "r"(a), "r"(b), "n"(C));
+    return d;
+}
+
+// e2m1 nibbles n0..n7 of w -> d[j] = bf16x2 (n_j, n_j+4), each value * 2^-126: the same words as
+// fp4pair_bf16<0>(w), <1>(w), <0>(w >> 8), <1>(w >> 8) in tc_step, with fewer integer operations (13
+// instead of 17; checked bit for bit against fp4pair_bf16). A bf16 keeps the sign 9 bits above the
+// lowest magnitude bit (bits 15 and 6..8), a nibble 3 bits above (bits 3 and 0..2), so every word
+// needs bits from two shifted copies of w. pa takes the magnitudes of n0, n1, n4, n5 from w (mask
+// 0x00770077: bits 0-2, 4-6, 16-18, 20-22) and every other bit from w << 6, which puts the signs of
+// n0, n1, n4, n5 (bits 3, 7, 19, 23) at bits 9, 13, 25, 29, 9 above their magnitudes; pb does the
+// same for v = w >> 8 (n2, n3, n6, n7). One shift and one mask then place each pair:
+// pa << 6 -> (n0, n4), pa << 2 -> (n1, n5), pb << 6 -> (n2, n6), pb << 2 -> (n3, n7).
+__device__ __forceinline__ void fp4x8_bf16x4(unsigned w, unsigned (&d)[4]) {
+    constexpr unsigned OUT = 0x81c081c0u;
+    const unsigned v = w >> 8;
+    const unsigned pa = mux_bits<0x00770077u>(w, w << 6);
+    const unsigned pb = mux_bits<0x00770077u>(v, v << 6);
+    d[0] = (pa << 6) & OUT;
+    d[1] = (pa << 2) & OUT;
+    d[2] = (pb << 6) & OUT;
+    d[3] = (pb << 2) & OUT;
+}
+
+// Bytes sel picks from `word` (prmt selector 0x4140: bytes 0, 1; 0x4342: bytes 2, 3) are the e4m3
+// scales s0, s1 of a chunk's two groups -> p0 = bf16x2 (s0, s0) * 2^118, p1 = (s1, s1) * 2^118:
+// the words fp8_scale_bf16x2_2p118 gives, exactly (s has 4 significant bits): the bytes are placed as
+// bf16 (s0, s1) * 2^-120 (as fp8x4_bf16 does; subnormal e4m3 become bf16 subnormals, which
+// fma.rn.bf16x2 honours, as it does for the e2m1 code 1) and multiplied twice by 2^119. Checked against
+// fp8_scale_bf16x2_2p118 for every non-NaN code.
+__device__ __forceinline__ void fp8x2_scales_bf16x2_2p118(unsigned word, unsigned sel, unsigned& p0, unsigned& p1) {
+    const unsigned b = prmt(word, 0u, sel);                          // (s0, 0, s1, 0)
+    const unsigned e = ((b << 4) & 0x07f007f0u) | ((b << 8) & 0x80008000u);
+    const unsigned s = bf16x2_mul(bf16x2_mul(e, 0x7b007b00u), 0x7b007b00u);   // * 2^119 * 2^119
+    p0 = prmt(s, s, 0x1010u);
+    p1 = prmt(s, s, 0x3232u);
+}
+
+// One step of a lane with one column tile (rows g, g+8; its chunk wv of each row; x of its column at
+// the chunk, xq; zeros when not `live`; ALL: every lane of the warp is live, known at compile time).
+// nvfp4: tc_step<KIND_NVFP4, 1, 2> with fp4x8_bf16x4 and fp8x2_scales_bf16x2_2p118; sw = the rows'
+// scale words, ssel = the prmt selector of this lane's half. fp8: tc_step<KIND, 1, 2>, the same code.
+template <int KIND, bool ALL>
+__device__ __forceinline__ void pipe_step(const uint4 (&wv)[2], const unsigned (&sw)[2], unsigned ssel,
+                                          const bf16_t* xq, bool live, float s0, float s1, float (&acc)[2][4]) {
+    const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
+    if (KIND == KIND_NVFP4) {
+        unsigned s2[2][2];                                            // [row][group]: (s, s) * 2^118
+#pragma unroll
+        for (int r = 0; r < 2; ++r) fp8x2_scales_bf16x2_2p118(sw[r], ssel, s2[r][0], s2[r][1]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {                                 // 32-bit word m: elements 8m .. 8m+7
+            const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
+            const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+            unsigned d0[4], d1[4];
+            fp4x8_bf16x4(w0, d0);
+            fp4x8_bf16x4(w1, d1);
+            const unsigned sa = s2[0][m >> 1], sb = s2[1][m >> 1];
+            const uint4 xw = (ALL || live) ? ld_x16(xq + 8 * m) : zero4;   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
+            mma_bf16_16816(acc[0], bf16x2_mul(d0[0], sa), bf16x2_mul(d1[0], sb), bf16x2_mul(d0[1], sa),
+                           bf16x2_mul(d1[1], sb),
+                           prmt(xw.x, xw.z, 0x5410u), prmt(xw.x, xw.z, 0x7632u));   // (x0 x4) (x1 x5)
+            mma_bf16_16816(acc[1], bf16x2_mul(d0[2], sa), bf16x2_mul(d1[2], sb), bf16x2_mul(d0[3], sa),
+                           bf16x2_mul(d1[3], sb),
+                           prmt(xw.y, xw.w, 0x5410u), prmt(xw.y, xw.w, 0x7632u));   // (x2 x6) (x3 x7)
+        }
+    } else {
+        const unsigned two64 = 0x5f805f80u;                           // bf16x2 (2^64, 2^64)
+        float cs[2][4];
+        if (KIND == KIND_FP8BLK) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) cs[k][i] = 0.f;
+        }
+        float (&cc)[2][4] = KIND == KIND_FP8BLK ? cs : acc;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                                 // x uint4 h: elements 8h .. 8h+7
+            unsigned e0[2], o0[2], e1[2], o1[2];
+#pragma unroll
+            for (int mm = 0; mm < 2; ++mm) {                          // 32-bit word m = 2h + mm: elements 4m .. 4m+3
+                const int m = 2 * h + mm;
+                const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
+                const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+                fp8x4_bf16(w0, e0[mm], o0[mm]);
+                fp8x4_bf16(w1, e1[mm], o1[mm]);
+            }
+            const uint4 xw = (ALL || live) ? ld_x16(xq + 8 * h) : zero4;
+#pragma unroll
+            for (int mm = 0; mm < 2; ++mm) {
+                const unsigned xl = mm ? xw.z : xw.x, xh = mm ? xw.w : xw.y;   // (x0 x1) (x2 x3)
+                mma_bf16_16816(cc[mm], e0[mm], e1[mm], o0[mm], o1[mm],
+                               bf16x2_mul(prmt(xl, xh, 0x5410u), two64),
+                               bf16x2_mul(prmt(xl, xh, 0x7632u), two64));          // (x0 x2) (x1 x3)
+            }
+        }
+        if (KIND == KIND_FP8BLK) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[0][i] = fmaf(cs[0][i] + cs[1][i], i < 2 ? s0 : s1, acc[0][i]);
+        }
+    }
+}
+
+template <int KIND, int D>
+__device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
+                                               const u8_t* __restrict__ w, const void* __restrict__ scale,
+                                               const float* __restrict__ gscale, const bf16_t* residual,
+                                               int O, int I, int T, int ks, int mode, int F, int sb) {
+    constexpr bool NVFP4 = KIND == KIND_NVFP4;
+    constexpr int EPC = NVFP4 ? 32 : 16;                             // elements per 16-byte chunk
+    constexpr int NL = GEMV_WARPS * 32;                               // lanes per block
+    __shared__ __align__(16) uint4 ring_w[D][2][NL];                  // [slot][row g / g+8][lane]
+    __shared__ __align__(16) unsigned ring_s[NVFP4 ? D : 1][2][NVFP4 ? NL : 1];
+    __shared__ float red[GEMV_WARPS][4][32];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kslot = warp % ks, uslot = warp / ks;
+    const int tile = blockIdx.x * (GEMV_WARPS / ks) + uslot;
+
+    int rows[2];
+    bool ok[2];
+    if (mode == 2) {
+        const int f = tile * 8 + g;
+        rows[0] = f; rows[1] = F + f;
+        ok[0] = ok[1] = f < F;
+    } else {
+        rows[0] = tile * 16 + g; rows[1] = rows[0] + 8;
+        ok[0] = rows[0] < O; ok[1] = rows[1] < O;
+    }
+
+    // As in gemv_tc_body: a row past O (or F) reads row 0 and is never stored; a column g >= T reads
+    // column 0 and is never stored.
+    const int C = I / EPC;                                            // 16-byte chunks per row
+    const int steps = (C + 3) / 4;
+    const int n = kslot < steps ? (steps - 1 - kslot) / ks + 1 : 0;  // steps of this warp
+    const u8_t* wi[2];                                                // next chunk to issue, per row
+    const u8_t* si[2];                                                // nvfp4: next scale word to issue
+    const float* bs[2];                                               // fp8blk: the rows' block-scale rows
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ok[r] ? rows[r] : 0;
+        wi[r] = w + (i64_t)row * ((i64_t)C * 16) + (i64_t)(kslot * 4 + t) * 16;
+        si[r] = (const u8_t*)scale + (i64_t)row * (I / 16) + (i64_t)(kslot * 4 + (t & 2)) * 2;
+        bs[r] = (const float*)scale + (i64_t)(row >> 7) * sb;
+    }
+    const int col = g < T ? g : 0;
+    const bf16_t* xp = x + (i64_t)col * I + (i64_t)(kslot * 4 + t) * EPC;   // x of the step consumed next
+    const i64_t wstep = (i64_t)ks * 4 * 16, sstep = (i64_t)ks * 4 * 2, xstep = (i64_t)ks * 4 * EPC;
+
+    const unsigned sw = smem_u32(&ring_w[0][0][tid]);
+    const unsigned ss = smem_u32(&ring_s[0][0][NVFP4 ? tid : 0]);
+    constexpr unsigned SW_ROW = NL * 16, SW_SLOT = 2 * NL * 16, SS_ROW = NL * 4, SS_SLOT = 2 * NL * 4;
+
+    int qi = kslot * 4;                                               // first chunk of the next step to issue
+    auto issue = [&](int slot) {
+        const unsigned dw = sw + slot * SW_SLOT, ds = ss + slot * SS_SLOT;
+        if (qi + 4 <= C) {                                            // the whole step exists (warp-uniform)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                cp_async16(dw + r * SW_ROW, wi[r], 16u);
+                if (NVFP4) cp_async4(ds + r * SS_ROW, si[r], 4u);
+            }
+        } else {                                                      // the last step of a row: zero-fill
+            const bool lw = qi + t < C, ls = qi + (t & 2) < C;        // C is even for nvfp4 (I % 64 == 0)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                cp_async16(dw + r * SW_ROW, lw ? (const void*)wi[r] : (const void*)w, lw ? 16u : 0u);
+                if (NVFP4) cp_async4(ds + r * SS_ROW, ls ? (const void*)si[r] : scale, ls ? 4u : 0u);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            wi[r] += wstep;
+            si[r] += sstep;
+        }
+        qi += 4 * ks;
+    };
+
+    float acc[2][4];                                                  // two alternating sets (tc: S = 2)
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[k][i] = 0.f;
+    const unsigned ssel = (t & 1) ? 0x4342u : 0x4140u;              // this lane's half of its scale word
+
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+        if (s < n) issue(s);
+        cp_async_commit();
+    }
+    int qc = kslot * 4;                                               // first chunk of the step consumed
+    int slot = 0;
+    for (int j = 0; j < n; ++j) {
+        cp_async_wait<D - 1>();                                       // groups 0 .. j have landed
+        uint4 wv[2];
+        unsigned sw2[2] = {0u, 0u};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            wv[r] = lds16(sw + slot * SW_SLOT + r * SW_ROW);
+            if (NVFP4) sw2[r] = lds4(ss + slot * SS_SLOT + r * SS_ROW);
+        }
+        float s0 = 1.f, s1 = 1.f;
+        if (KIND == KIND_FP8BLK) {                                    // step qc / 4: k = 16 qc .. 16 qc + 63
+            s0 = __ldg(bs[0] + (qc >> 3));
+            s1 = __ldg(bs[1] + (qc >> 3));
+        }
+        if (qc + 4 <= C) pipe_step<KIND, true>(wv, sw2, ssel, xp, true, s0, s1, acc);   // all 4 chunks exist
+        else pipe_step<KIND, false>(wv, sw2, ssel, xp, qc + t < C, s0, s1, acc);        // the last, partial step
+        xp += xstep;
+        qc += 4 * ks;
+        if (j + D < n) issue(slot);
+        cp_async_commit();
+        slot = slot + 1 == D ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[0][i] + acc[1][i];
+    __syncthreads();
+    if (kslot != 0) return;
+    // v[0], v[1]: rows[0], columns 2t, 2t+1; v[2], v[3]: rows[1], the same columns.
+    float mul[2];
+    if (NVFP4) {
+        mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
+    } else {
+        const float two56 = __uint_as_float(0x5b800000u);             // 2^56
+        mul[0] = two56; mul[1] = two56;
+        if (KIND == KIND_FP8ROW) {
+            mul[0] *= ok[0] ? __ldg((const float*)scale + rows[0]) : 0.f;
+            mul[1] *= ok[1] ? __ldg((const float*)scale + rows[1]) : 0.f;
+        }
+    }
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float s = 0.f;
+        for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][i][lane];
+        v[i] = s;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int c = 2 * t + j;
+        if (c >= T) continue;
+        const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
+        if (mode == 2) {
+            if (ok[0]) {
+                const float gate = bf16_to_f32(f32_to_bf16(r0));
+                const float up = bf16_to_f32(f32_to_bf16(r1));
+                const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
+                y[(i64_t)c * F + rows[0]] = f32_to_bf16(act * up);
+            }
+        } else {
+            const float rv[2] = {r0, r1};
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (ok[r]) {
+                    const i64_t o = (i64_t)c * O + rows[r];
+                    bf16_t b = f32_to_bf16(rv[r]);
+                    if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
+                    y[o] = b;
+                }
+            }
+        }
+    }
+}
+
+#define GEMV_PIPE_KERNEL(name, KIND, D)                                                     \
+    extern "C" __global__ void __launch_bounds__(256, PIPE_MIN_BLOCKS) name(GEMV_ARGS) { \
+        gemv_pipe_body<KIND, D>(GEMV_PASS);                                              \
+    }
+
+GEMV_PIPE_KERNEL(gemv_fp8row_pipe, KIND_FP8ROW, PIPE_D_FP8)
+GEMV_PIPE_KERNEL(gemv_fp8blk_pipe, KIND_FP8BLK, PIPE_D_FP8)
+GEMV_PIPE_KERNEL(gemv_nvfp4_pipe, KIND_NVFP4, PIPE_D_NVFP4)
 
 // ------------------------------------------------------------------------------------------------
 // Dequantisation to bf16 [O, I] (prefill path and tests). One thread per 16 elements of a row,

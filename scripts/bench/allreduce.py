@@ -1,22 +1,26 @@
 """All-reduce between two GPUs: the GPU mailbox vs NCCL vs staged copies, bf16 payloads 4 KiB .. 1 MiB.
 
     python scripts/bench/allreduce.py [--sizes 4096,16384,...] [--per-graph 100] [--replays 50] [--out ar.json]
+        [--mailbox-variants lean8,lean16,lean8d300,...]
 
 Two processes (GPUs 0 and 1). Mailbox and NCCL run inside a captured CUDA graph of --per-graph exchanges
 replayed --replays times (CUDA events around each replay; median per exchange); staged copies cannot be
 captured and run eagerly (a tenth of --per-graph exchanges per timed group, a fifth of the
 replays, host clock). Every rank reports its
 own medians; the table shows both ranks, GB/s of payload (bf16 bytes per exchange / time) and the
-ratio of each transport's time to NCCL's. A benchmark, not a test.
+ratio of each transport's time to NCCL's. --mailbox-variants times other mailbox kernel variants too
+(transport/mailbox_cuda.py: classic, lean16, lean8, plus fields f<flags> b<grid cap> t<threads per block>
+d<first-poll delay ns>), each in its own graph on the same mailbox, in the order given, once per size;
+the "mailbox" column is the default variant (or TANDEM_MAILBOX_VARIANT). A benchmark, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -66,14 +70,21 @@ def _eager_us(torch, fn, x, per_graph: int, replays: int) -> list[float]:
     return out
 
 
-def _variants(text: str) -> list[tuple[str, int | None, int | None]]:
-    """'f3b16,b8' -> [('f3b16', flags 3, grid cap 16), ('b8', None, 8)]; None keeps the default."""
+def _variants(text: str) -> list[tuple[str, dict]]:
+    """'lean8d300,b8' -> [('lean8d300', all fields), ('b8', all fields)]: fields a variant does not set keep
+    the default variant's (transport/mailbox_cuda.py make_variant; a name sets them all)."""
+    from transport.mailbox_cuda import make_variant, variant_from_env
+    default = variant_from_env()                       # the ranks' default: they inherit this environment
     out = []
     for v in text.split(","):
-        m = re.fullmatch(r"(?:f(\d+))?(?:b(\d+))?", v)
-        if not m or not v:
-            raise argparse.ArgumentTypeError(f"mailbox variant {v!r}: expected f<flags> and/or b<blocks>")
-        out.append((v, int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None))
+        try:
+            fields = dataclasses.asdict(make_variant(v, default))     # fails here, not in the ranks
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        out.append((v, fields))
+    names = [v for v, _ in out]
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"mailbox variants repeat a name: {text!r}")
     return out
 
 
@@ -89,29 +100,29 @@ def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) ->
         nccl.warm_up()
         mb = CudaMailbox(mailbox_name, rank, device=rank, timeout_s=60.0)
         staged = StagedCopies(staged_name, rank, device=rank, timeout_s=60.0)
-        res = {"probe_us": None, "rows": []}
+        default = mb.variant
+        res = {"probe_us": None, "rows": [], "variant": str(default)}
         mb.barrier()
         res["probe_us"] = mb.probe(iters=100)
         for size in args.sizes:
             n = size // 2
             x = torch.randn(n, device=dev).to(torch.bfloat16)   # values grow over the repeats; timing ignores them
             row = {"bytes": size}
-            default = (mb.flags, mb.max_blocks)
             variants = [("nccl", nccl.all_reduce, True, None), ("mailbox", mb.all_reduce, True, default)]
-            variants += [(f"mailbox_{v}", mb.all_reduce, True,
-                          (default[0] if f is None else f, default[1] if b is None else b))
-                         for v, f, b in args.mailbox_variants]
+            variants += [(f"mailbox_{v}", mb.all_reduce, True, dataclasses.replace(default, **fields))
+                         for v, fields in args.mailbox_variants]
             variants.append(("staged", staged.all_reduce, False, None))
             for name, fn, graph, conf in variants:
                 if conf is not None:
-                    mb.flags, mb.max_blocks = conf
+                    mb.synchronize()                   # both ranks switch between exchanges, never inside one
+                    mb.variant = conf
                 nccl.barrier()
                 if graph:
                     us = _graph_us(torch, fn, x, args.per_graph, args.replays)
                 else:                                  # ~100x slower per exchange: fewer of them
                     us = _eager_us(torch, fn, x, max(1, args.per_graph // 10), max(3, args.replays // 5))
                 row[name] = statistics.median(us)
-            mb.flags, mb.max_blocks = default
+            mb.variant = default
             mb.synchronize()
             res["rows"].append(row)
         staged.close()
@@ -129,8 +140,9 @@ def main() -> int:
     ap.add_argument("--per-graph", type=int, default=100)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--mailbox-variants", type=_variants, default=[],
-                    help="also time mailbox kernel variants, comma-separated: f<MB_FLAG_* set> and/or "
-                         "b<grid cap in blocks>, e.g. f1,f2,b16,f2b16")
+                    help="also time mailbox kernel variants, comma-separated: [classic|lean16|lean8] then "
+                         "optional f<flags> b<grid cap in blocks> t<threads per block> d<first-poll delay ns>, "
+                         "e.g. classic,lean16,lean8,lean8d300,lean8t128,f2b16")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -176,7 +188,8 @@ def main() -> int:
 
     print(f"{torch.cuda.get_device_name(0)} x2; graph of {args.per_graph} exchanges x {args.replays} replays "
           f"(staged: eager); us per exchange, rank 0 / rank 1")
-    print(f"mailbox probe (4 KiB, graph): {out[0]['probe_us']:.2f} / {out[1]['probe_us']:.2f} us")
+    print(f"mailbox (default variant {out[0]['variant']}) probe (4 KiB, graph): {out[0]['probe_us']:.2f} / "
+          f"{out[1]['probe_us']:.2f} us")
     hdr = f"{'bytes':>8} | {'nccl us':>13} | {'mailbox us':>13} {'GB/s':>6} {'x nccl':>6} | " \
           f"{'staged us':>15} {'GB/s':>6} {'x nccl':>6}"
     print(hdr)
@@ -195,17 +208,22 @@ def main() -> int:
               f"{m['gbps']:>6.2f} {m['x_nccl']:>6.2f} | {s['rank0_us']:>7.1f}/{s['rank1_us']:<7.1f} "
               f"{s['gbps']:>6.2f} {s['x_nccl']:>6.2f}")
     if args.mailbox_variants:
-        names = [v for v, _, _ in args.mailbox_variants]
-        print("mailbox kernel variants (f: flags, 1 fence after publishing, 2 hang word polled by lane 0 only; "
-              "b: grid cap), us per exchange (max of the ranks)")
-        print(f"{'bytes':>8} | " + " ".join(f"{v:>8}" for v in names))
+        names = [v for v, _ in args.mailbox_variants]
+        print("mailbox kernel variants (transport/mailbox_cuda.py: classic = f2, lean16 = f4, lean8 = f12; "
+              "f: flags, 1 fence after publishing, 2 hang word polled by lane 0 only (classic), 4 lean kernel, "
+              "8 one word per thread (lean); b: grid cap; t: threads per block; d: first-poll delay ns), "
+              f"us per exchange (max of the ranks); default = {out[0]['variant']}")
+        w = max(8, *(len(v) for v in names))
+        print(f"{'bytes':>8} | {'default':>{w}} " + " ".join(f"{v:>{w}}" for v in names))
         for r0, r1, row in zip(out[0]["rows"], out[1]["rows"], rows):
             row["mailbox_variants"] = {v: max(r0[f"mailbox_{v}"], r1[f"mailbox_{v}"]) for v in names}
-            print(f"{row['bytes']:>8} | " + " ".join(f"{row['mailbox_variants'][v]:>8.2f}" for v in names))
+            print(f"{row['bytes']:>8} | {row['mailbox']['us']:>{w}.2f} "
+                  + " ".join(f"{row['mailbox_variants'][v]:>{w}.2f}" for v in names))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), per_graph=args.per_graph, replays=args.replays,
-                           probe_us=[out[0]["probe_us"], out[1]["probe_us"]], rows=rows), f, indent=1)
+                           variant=out[0]["variant"], probe_us=[out[0]["probe_us"], out[1]["probe_us"]],
+                           rows=rows), f, indent=1)
     return 0
 
 

@@ -3,10 +3,18 @@
 column count T and weight format, against the bytes each must read at the bandwidth of this GPU.
 
     python scripts/bench/linear.py --out linear.json [--model 27b] [--columns 1 2 4 8 16]
+    python scripts/bench/linear.py --variants --out variants.json [--model 27b] [--ks 1 2 4 8]
 
-For every (O, I) of the model's decode linear layers it times kernels.cuda_linear.linear (CUDA
-graphs of 20 calls, median of 10 replays) and torch.matmul for bf16, and reports the fraction of
-the bandwidth floor reached. This is what the route table (GEMV up to which T) is chosen from.
+For every (O, I) of the model's decode linear layers it times kernels.cuda_linear's GEMV (CUDA graphs
+of 20 calls, median of 10 replays) and torch.matmul for bf16, and reports the fraction of the
+bandwidth floor reached. This is what the route table (GEMV up to which T) is chosen from. The bf16
+GEMV is timed at every T asked for, also where the route table sends bf16 to cuBLAS.
+
+--variants times the quantised GEMV under both GEMV variants (TANDEM_GEMV_VARIANT=default, the route
+table, and =pipelined, the cp.async-pipelined kernels gemv_*_pipe for T <= 8) side by side at T = 1 2 4
+8 (or --columns), with the bf16 GEMV and cuBLAS for reference, and prints GB/s and the fraction of the
+read bandwidth measured in the same run (kernels/cuda/bench.cu read_probe); --ks also times every
+variant with the I-split forced. The JSON rows carry the kernel and ks each variant's route chose.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ SHAPES = {
     "35b-a3b": [("q_proj", 8192, 2048), ("o_proj", 2048, 4096), ("in_proj_qkv", 8192, 2048),
                 ("shared_gate_up", 1024, 2048), ("lm_head", 248320, 2048)],
 }
+QUANT_KINDS = ("fp8_row", "fp8_block", "nvfp4")
 
 
 def graph_time(fn, calls: int = 20, reps: int = 10) -> float:
@@ -51,30 +60,22 @@ def graph_time(fn, calls: int = 20, reps: int = 10) -> float:
     return statistics.median(ts)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="27b", choices=list(SHAPES))
-    ap.add_argument("--columns", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--kinds", nargs="+", default=["bf16", "fp8_row", "nvfp4"])
-    ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured by decode.py's probe)")
-    ap.add_argument("--ks", type=int, nargs="*", default=[],
-                    help="also time the GEMV with every launch's I-split forced to each of these (1, 2, 4, 8)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    from kernels import cuda_linear as cl
-    from kernels.quant import quantize_fp8_rows, quantize_nvfp4
-    sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
-    from decode import measure_bandwidth
-    bw = args.bandwidth or measure_bandwidth()["read_Bps"]
-    print(f"read bandwidth {bw / 1e12:.2f} TB/s")
+def make_weights(w: torch.Tensor, kinds) -> dict:
+    from kernels.quant import quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
+    quantise = {"fp8_row": quantize_fp8_rows, "fp8_block": quantize_fp8_blocks, "nvfp4": quantize_nvfp4}
+    weights = {"bf16": w}
+    for kind in kinds:
+        if kind in quantise:
+            weights[kind] = quantise[kind](w)
+    return weights
+
+
+def run_table(args, cl, bw) -> list[dict]:
+    """The original table: every kind's GEMV (route table) and bf16 cuBLAS, optionally with ks forced."""
     rows = []
     for name, O, I in SHAPES[args.model]:
         w = (torch.randn(O, I, device="cuda") * I ** -0.5).to(torch.bfloat16)
-        weights = {"bf16": w}
-        if "fp8_row" in args.kinds:
-            weights["fp8_row"] = quantize_fp8_rows(w)
-        if "nvfp4" in args.kinds:
-            weights["nvfp4"] = quantize_nvfp4(w)
+        weights = make_weights(w, args.kinds)
         for T in args.columns:
             x = torch.randn(T, I, device="cuda").to(torch.bfloat16)
             out = torch.empty(T, O, dtype=torch.bfloat16, device="cuda")
@@ -115,9 +116,130 @@ def main(argv=None) -> int:
                            and r["kind"] == kind and r["impl"].startswith("gemv")}
                     print(f"{name:12s} {T:3d} {kind:>8s} {got['gemv']:6.0%} "
                           + " ".join(f"{got['gemv_ks' + str(k)]:6.0%}" for k in args.ks))
+    return rows
+
+
+def run_variants(args, cl, bw) -> list[dict]:
+    """Every quantised kind under each GEMV variant, bf16 GEMV and cuBLAS as the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+
+    def row(name, O, I, T, kind, variant, impl, t, kernel, ks, grid):
+        nbytes = cl.bytes_read(O, I, T, kind)
+        return dict(layer=name, O=O, I=I, T=T, kind=kind, variant=variant, impl=impl, kernel=kernel, ks=ks,
+                    grid=grid, s=t, bytes=nbytes, GBps=nbytes / t / 1e9, of_bw=nbytes / bw / t)
+
+    saved = os.environ.get(cl.VARIANT_ENV)
+    try:
+        for name, O, I in SHAPES[args.model]:
+            w = (torch.randn(O, I, device="cuda") * I ** -0.5).to(torch.bfloat16)
+            weights = make_weights(w, args.kinds)
+            for T in args.columns:
+                x = torch.randn(T, I, device="cuda").to(torch.bfloat16)
+                out = torch.empty(T, O, dtype=torch.bfloat16, device="cuda")
+                for kind in args.kinds:
+                    wk = weights[kind]
+                    variants = cl.VARIANTS if kind in QUANT_KINDS else ("tc",)
+                    for variant in variants:
+                        os.environ[cl.VARIANT_ENV] = variant           # read by route() at graph capture
+                        graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False), reps=3)   # clocks up
+                        for ks in [None] + args.ks:
+                            cl.FORCE_KS = ks
+                            r = cl.route(O, I, min(T, cl.launch_columns(kind, I)), kind, sms, variant=variant)
+                            t = graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False))
+                            impl = variant if ks is None else f"{variant}_ks{ks}"
+                            rows.append(row(name, O, I, T, kind, variant, impl, t, r.get("kernel", r["path"]),
+                                            r.get("ks"), r.get("grid", [0])[0]))
+                        cl.FORCE_KS = None
+                if "bf16" in args.kinds:
+                    t = graph_time(lambda: torch.matmul(x, w.t(), out=out))
+                    rows.append(row(name, O, I, T, "bf16", "cublas", "cublas", t, "torch.matmul", None, 0))
+            weights = w = None
+            torch.cuda.empty_cache()
+    finally:
+        cl.FORCE_KS = None
+        if saved is None:
+            os.environ.pop(cl.VARIANT_ENV, None)
+        else:
+            os.environ[cl.VARIANT_ENV] = saved
+
+    def get(name, T, kind, impl):
+        return next((r for r in rows if r["layer"] == name and r["T"] == T and r["kind"] == kind
+                     and r["impl"] == impl), None)
+
+    def cell(r):
+        return f"{r['s'] * 1e6:7.1f} {r['GBps']:6.0f} {r['of_bw']:5.0%}" if r else f"{'-':>20s}"
+
+    print(f"GEMV variants: us, GB/s, % of the read bandwidth ({bw / 1e12:.2f} TB/s measured in this run); "
+          f"'pipe/def' = default time / pipelined time")
+    print(f"{'layer':12s} {'T':>2s} {'kind':>9s} | {'default':>20s} {'kernel':>18s} | {'pipelined':>20s} "
+          f"{'kernel':>18s} | {'pipe/def':>8s}")
+    for name, O, I in SHAPES[args.model]:
+        for T in args.columns:
+            for kind in args.kinds:
+                if kind == "bf16":
+                    d, p = get(name, T, kind, "tc"), get(name, T, kind, "cublas")
+                    print(f"{name:12s} {T:2d} {'bf16':>9s} | {cell(d)} {'GEMV ' + d['kernel'][5:]:>18s} | "
+                          f"{cell(p)} {'cuBLAS':>18s} |")
+                    continue
+                d, p = get(name, T, kind, "tc"), get(name, T, kind, "pipelined")
+                print(f"{name:12s} {T:2d} {kind:>9s} | {cell(d)} {d['kernel'][5:] + ' ks' + str(d['ks']):>18s} | "
+                      f"{cell(p)} {p['kernel'][5:] + ' ks' + str(p['ks']):>18s} | {d['s'] / p['s']:7.2f}x")
+    print("All layers above, each shape once (sum of bytes / sum of times), GB/s and % of the read bandwidth:")
+    for kind in [k for k in args.kinds if k in QUANT_KINDS]:
+        for T in args.columns:
+            cells = []
+            for variant in cl.VARIANTS:
+                sel = [r for r in rows if r["kind"] == kind and r["T"] == T and r["impl"] == variant]
+                nb, ts = sum(r["bytes"] for r in sel), sum(r["s"] for r in sel)
+                cells.append(f"{variant} {nb / ts / 1e9:6.0f} GB/s {nb / ts / bw:5.0%}")
+            print(f"  {kind:>9s} T={T}: " + "   ".join(cells))
+    if args.ks:
+        print("With the I-split forced (% of the read bandwidth; 'route' = the variant's own choice)")
+        print(f"{'layer':12s} {'T':>2s} {'kind':>9s} {'variant':>9s} {'route':>6s} "
+              + " ".join(f"{'ks' + str(k):>6s}" for k in args.ks))
+        for name, O, I in SHAPES[args.model]:
+            for T in args.columns:
+                for kind in [k for k in args.kinds if k in QUANT_KINDS]:
+                    for variant in cl.VARIANTS:
+                        cells = [get(name, T, kind, variant)]
+                        cells += [get(name, T, kind, f"{variant}_ks{k}") for k in args.ks]
+                        print(f"{name:12s} {T:2d} {kind:>9s} {variant:>9s} "
+                              + " ".join(f"{c['of_bw']:6.0%}" for c in cells))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="27b", choices=list(SHAPES))
+    ap.add_argument("--columns", type=int, nargs="+", default=None,
+                    help="column counts T (default 1 2 4 8 16; with --variants 1 2 4 8)")
+    ap.add_argument("--kinds", nargs="+", default=["bf16", "fp8_row", "nvfp4"],
+                    choices=["bf16", "fp8_row", "fp8_block", "nvfp4"])
+    ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured by decode.py's probe)")
+    ap.add_argument("--ks", type=int, nargs="*", default=[],
+                    help="also time the GEMV with every launch's I-split forced to each of these (1, 2, 4, 8)")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the quantised GEMV under TANDEM_GEMV_VARIANT=default and =pipelined side by side")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.columns is None:
+        args.columns = [1, 2, 4, 8] if args.variants else [1, 2, 4, 8, 16]
+    from kernels import cuda_linear as cl
+    # This script times the kernels: the bf16 GEMV at every T asked for, also where the production
+    # table sends bf16 to cuBLAS (route() has no GEMV kernel to name beyond GEMV_COLUMNS["bf16"]).
+    cl.GEMV_COLUMNS = dict(cl.GEMV_COLUMNS, bf16=cl.MAX_GEMV_COLUMNS)
+    if max(args.columns) > cl.MAX_GEMV_COLUMNS and "bf16" in args.kinds:
+        ap.error(f"the bf16 GEMV takes at most {cl.MAX_GEMV_COLUMNS} columns")
+    sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
+    from decode import measure_bandwidth
+    bw = args.bandwidth or measure_bandwidth()["read_Bps"]
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
+    rows = run_variants(args, cl, bw) if args.variants else run_table(args, cl, bw)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(bandwidth=bw, rows=rows, device=torch.cuda.get_device_name()), f, indent=1)
+            json.dump(dict(bandwidth=bw, rows=rows, device=torch.cuda.get_device_name(), model=args.model,
+                           columns=args.columns, kinds=args.kinds, variants=args.variants, ks=args.ks), f, indent=1)
     return 0
 
 
