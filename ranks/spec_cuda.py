@@ -22,8 +22,10 @@ rejected columns do for the main KV), so results equal the eager round's: the sa
 accepted tokens bit for bit (the same head GEMV over the same rows), the same committed state, and
 drafts that differ only where the MTP pass's column count changes a GEMV's summation order.
 
-A round qualifies (`eligible`) when every sequence is greedy without penalties, drafts K tokens,
-and has pages for its last draft position; anything else runs the eager round.
+A round qualifies (`eligible`) when every sequence is greedy without penalties, feeds one token plus
+its n <= K drafts (fewer near its token budget: padded to K + 1 columns, acceptance capped at n),
+and has pages for its last draft position; anything else (sampled or penalised sequences, prefill
+chunks, forced tokens) runs the eager round.
 """
 
 from __future__ import annotations
@@ -68,21 +70,32 @@ class GpuRounds:
     def eligible(self, batch: Batch, ndraft: Sequence[int], sample: Sequence[bool], greedy: Sequence[bool],
                  kv_tokens: Sequence[int], stops: Sequence[Sequence[int]]) -> bool:
         K = self.K
-        return (all(c == K + 1 for c in batch.columns) and all(n == K for n in ndraft) and all(sample)
+        return (all(0 <= n <= K and c == 1 + n for c, n in zip(batch.columns, ndraft)) and all(sample)
                 and all(greedy) and all(len(s) <= MAX_STOPS for s in stops)
                 # every draft position start + a + j (a <= K, j < K) has a page: the eager round's bound
                 and all(st + 2 * K <= kv for st, kv in zip(batch.starts, kv_tokens))
                 and batch.page_tables.shape[1] * PAGE_SIZE >= max(st + 2 * K for st in batch.starts))
 
     @torch.inference_mode()
-    def run(self, batch: Batch, state, stops: Sequence[Sequence[int]],
+    def run(self, batch: Batch, state, stops: Sequence[Sequence[int]], ndraft: Sequence[int] | None = None,
             mark: Callable[[str], None] | None = None) -> np.ndarray:
-        """One round for every sequence of `batch` ([x, d1..dK] columns each); returns int64
-        [B, 2K + 2]: the target argmax after each column (T), the accepted draft count a, and the
-        next round's K drafts. The tokens emitted are targets[:a + 1]. Collective across ranks.
+        """One round for every sequence of `batch` ([x, d1..dn] columns each, n = ndraft[b] <= K,
+        K when not given); returns int64 [B, 2K + 2]: the target argmax after each column (T), the
+        accepted draft count a (<= n), and the next round's K drafts. The tokens emitted are
+        targets[:a + 1]. A sequence with fewer than K drafts (near its token budget, or none at all) is
+        padded to K + 1 columns, its acceptance capped at n: the padding's KV and states sit past
+        the accepted ones, where nothing reads them before they are rewritten. Collective across ranks.
         mark(label): diagnostics (the worker's StepProfiler), called once launched and once synchronised."""
         m, K = self.model, self.K
         B, T = len(batch.columns), K + 1
+        n = [K] * B if ndraft is None else [int(v) for v in ndraft]
+        if any(c != T for c in batch.columns):
+            ids, at = np.zeros((B, T), dtype=np.int64), 0
+            tok = batch.token_ids.numpy()
+            for b, c in enumerate(batch.columns):
+                ids[b, :c] = tok[at:at + c]
+                at += c
+            batch = Batch(torch.from_numpy(ids.reshape(-1)), [T] * B, batch.starts, batch.slots, batch.page_tables)
         P = self.pages(batch)
         S = max(1, pow2(max(len(s) for s in stops))) if any(stops) else 1
         stop_ids = np.full((B, S), -1, dtype=np.int32)
@@ -90,18 +103,21 @@ class GpuRounds:
             stop_ids[b, :len(s)] = list(s)
         words = DeviceBatch.words(B, B * T, P)
 
+        extra = np.concatenate([stop_ids.reshape(-1), np.asarray(n, dtype=np.int32)])
+
         def upload(storage: Tensor | None) -> Tensor:
-            return m.device_batch(batch, P, storage=storage, extra=stop_ids).storage
+            return m.device_batch(batch, P, storage=storage, extra=extra).storage
 
         def program(storage: Tensor) -> Tensor:
             db = DeviceBatch.on(storage, B, B * T, P, P * PAGE_SIZE)
-            return self.program(db, storage[words:words + B * S].view(B, S), state)
+            return self.program(db, storage[words:words + B * S].view(B, S), state,
+                                storage[words + B * S:words + B * S + B])
 
         with torch.cuda.device(m.device_index):
             out = None
             if m.graphs is not None:
-                out = m.graphs.run_keyed(("spec-round", B, T, P, S, id(state)), state, words + B * S, upload,
-                                         program)
+                out = m.graphs.run_keyed(("spec-round", B, T, P, S, id(state)), state, words + B * S + B,
+                                         upload, program)
             if out is None:
                 out = program(upload(None))
             if self._host is None or self._host.numel() < out.numel():
@@ -116,14 +132,17 @@ class GpuRounds:
         self.rounds += 1
         return host.numpy().astype(np.int64).reshape(B, 2 * K + 2)
 
-    def program(self, db: DeviceBatch, stops: Tensor, state) -> Tensor:
-        """The round's device ops (no host synchronisation: capturable). stops [B, S] int32, -1 pads."""
+    def program(self, db: DeviceBatch, stops: Tensor, state, ndraft: Tensor | None = None) -> Tensor:
+        """The round's device ops (no host synchronisation: capturable). stops [B, S] int32, -1 pads;
+        ndraft [B] int32: real drafts per sequence (acceptance is capped there; None = K)."""
         m, K = self.model, self.K
         B, T = db.B, K + 1
         dev = db.ids.device
         out = m.fast_forward(db, state, logits="all", keep_T=T)
         targets = self.argmax(out.logits).view(B, T)                                  # int64
         a = accepted_lengths(targets, db.ids.view(B, T)[:, 1:].long(), stops)
+        if ndraft is not None:
+            a = torch.minimum(a, ndraft.long())
         commit_rows(out.kept.batched, state, db.slots.long(), a)
         # MTP pass over the T columns: column t carries the token at position start + t + 1
         ids = targets.reshape(-1).to(torch.int32)

@@ -189,7 +189,7 @@ class Worker:
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
             if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),
                                         [s.greedy and not s.has_penalties for s in smp], kv_tokens, stops):
-                return self._gpu_round(plan, batch, stops, t0)
+                return self._gpu_round(plan, batch, stops, ndraft, t0)
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
         t_fwd = time.perf_counter()
         if self.transport is not None:
@@ -278,11 +278,13 @@ class Worker:
                               drafts=np.array([drafts[b] for b in rows], dtype=np.int64).reshape(len(rows), self.spec_k),
                               elapsed_s=time.perf_counter() - t0)
 
-    def _gpu_round(self, plan: msg.StepPlan, batch: Batch, stops: list[list[int]], t0: float) -> msg.StepResult | None:
+    def _gpu_round(self, plan: msg.StepPlan, batch: Batch, stops: list[list[int]], ndraft: list[int],
+                   t0: float) -> msg.StepResult | None:
         """A greedy round as one GPU program (ranks/spec_cuda.py): the host uploads the plan's
         metadata, launches (or replays) it, and waits once for [targets, a, drafts] per sequence."""
         K = self.spec_k
-        res = self.gpu_rounds.run(batch, self.state, stops, mark=self.profiler.mark if self.profiler else None)
+        res = self.gpu_rounds.run(batch, self.state, stops, ndraft,
+                                  mark=self.profiler.mark if self.profiler else None)
         t1 = time.perf_counter()
         if self.transport is not None:
             self.transport.check()                      # a peer's hang shows here, not as garbage

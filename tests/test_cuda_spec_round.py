@@ -49,7 +49,7 @@ def _restore(st, snap):
 
 
 @torch.inference_mode()
-def _eager_round(model, st, batch: Batch, P: int, K: int, stops):
+def _eager_round(model, st, batch: Batch, P: int, K: int, stops, cap=None):
     """The round through public calls: verification (same page width as the GPU round), host argmax
     and acceptance, commit, MTP over the accepted columns, K-1 MTP steps. Returns targets [B, T],
     a [B], drafts [B, K] and the drafts' top-2 margins."""
@@ -64,6 +64,8 @@ def _eager_round(model, st, batch: Batch, P: int, K: int, stops):
         acc = accept_greedy(targets[b].tolist(), ids[b, 1:].tolist())
         cut = next((i for i, t in enumerate(acc) if t in stops[b]), None)
         a.append(len(acc) - 1 if cut is None else cut)
+        if cap is not None:
+            a[-1] = min(a[-1], cap[b])
     commit_batched(kept, st, a)
     drafts = torch.full((B, K), -1, dtype=torch.long)
     margins = torch.zeros(B, K)
@@ -149,6 +151,26 @@ def test_gpu_round_equals_the_eager_round(name, K, seed):
         assert checked > 0
     assert model.graphs.captures >= 1 and model.graphs.replays >= 1
     assert np.array_equal(results[1], results[0]) and np.array_equal(results[2], results[0])
+
+    # fewer drafts (near a token budget, or none): the round pads to K + 1 columns and caps acceptance
+    if K > 1:
+        n = [K, 1, 0]
+        short = Batch(torch.cat([ids.view(B, T)[b, :1 + n[b]] for b in range(B)]), [1 + v for v in n], starts,
+                      list(range(B)), tables)
+        assert rounds.eligible(short, n, [True] * B, [True] * B, [4 * 64] * B, [[]] * B)
+        padded = torch.cat([torch.cat([ids.view(B, T)[b, :1 + n[b]], torch.zeros(K - n[b], dtype=ids.dtype)])
+                            for b in range(B)])
+        _restore(st, snap)
+        want_t3, want_a3, want_d3, margins3 = _eager_round(model, st, Batch(padded, [T] * B, starts, list(range(B)),
+                                                                            tables), P, K, [set()] * B, cap=n)
+        want_state = _snapshot(st)
+        _restore(st, snap)
+        res = rounds.run(short, st, [[] for _ in range(B)], n)
+        assert np.array_equal(res[:, T], want_a3.numpy()) and (res[:, T] <= np.array(n)).all()
+        assert np.array_equal(res[:, :T], want_t3.numpy())
+        for j in range(len(spec.linear_attention_layers)):
+            assert torch.equal(st.recurrent[j], want_state[_at(st, st.recurrent[j])])
+            assert torch.equal(st.conv[j], want_state[_at(st, st.conv[j])])
 
     # a stop token among the targets cuts the round there (accepted drafts before it stay)
     stops = [{int(want_t[0, 1])}, {int(want_t[1, 0])}, set()]

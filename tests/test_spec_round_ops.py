@@ -60,7 +60,12 @@ def test_eligibility():
     ok = dict(ndraft=[3, 3], sample=[True, True], greedy=[True, True], kv_tokens=[128, 128], stops=[[1], []])
     assert r.eligible(batch, **ok)
     assert r.pages(batch) == 2                                  # 60 + 6 needs two pages of 64
-    assert not r.eligible(batch, **{**ok, "ndraft": [3, 2]})
+    assert not r.eligible(batch, **{**ok, "ndraft": [3, 2]})          # 4 columns but 2 drafts
+    short = Batch(torch.arange(6), [4, 2], [10, 60], [0, 1], tables)   # fewer drafts: padded on the GPU
+    assert r.eligible(short, **{**ok, "ndraft": [3, 1]})
+    plain = Batch(torch.arange(2), [1, 1], [10, 60], [0, 1], tables)   # no drafts at all
+    assert r.eligible(plain, **{**ok, "ndraft": [0, 0]})
+    assert not r.eligible(Batch(torch.arange(5), [3, 2], [10, 60], [0, 1], tables), **{**ok, "ndraft": [3, 1]})
     assert not r.eligible(batch, **{**ok, "greedy": [True, False]})
     assert not r.eligible(batch, **{**ok, "sample": [True, False]})
     assert not r.eligible(batch, **{**ok, "kv_tokens": [128, 65]})        # position 65 has no page
