@@ -105,7 +105,13 @@ class Scheduler:
     # ---- requests ---------------------------------------------------------------------------------
 
     def pages_for(self, seq: Sequence) -> int:
-        return -(-(len(seq.prompt) + seq.max_new_tokens) // PAGE_SIZE)
+        """KV pages a sequence reserves at admission: prompt + max_new_tokens, plus, with speculation,
+        2K positions of slack (when the pool has them) so that a round near the budget still has pages
+        for its K+1 verification columns and its K draft positions: the ranks then run it like any
+        other round (a GPU round) instead of the eager fallback."""
+        need = -(-(len(seq.prompt) + seq.max_new_tokens) // PAGE_SIZE)
+        slack = -(-(len(seq.prompt) + seq.max_new_tokens + 2 * self.config.spec_draft_tokens) // PAGE_SIZE)
+        return slack if slack <= self.config.kv_pages else need
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (Overloaded when the queue is full; ValueError if it can never fit)."""

@@ -90,6 +90,17 @@ def test_reservation_is_prompt_plus_budget_in_pages():
         assert sched.pages_for(seq(n, new)) == pages, (n, new)
 
 
+def test_speculation_reserves_two_rounds_of_slack_when_the_pool_has_it():
+    """With K drafts a sequence reserves prompt + budget + 2K positions (a round near the budget keeps
+    pages for its K+1 verification columns and K draft positions); without room in the pool for the
+    slack, the plain reservation."""
+    sched = Scheduler(cfg(spec_draft_tokens=3))
+    for n, new, pages in [(1, 1, 1), (58, 1, 1), (59, 1, 2), (10, 48, 1), (10, 49, 2), (200, 300, 8)]:
+        assert sched.pages_for(seq(n, new)) == pages, (n, new)
+    tight = Scheduler(cfg(spec_draft_tokens=3, kv_pages=2))
+    assert tight.pages_for(seq(100, 28)) == 2                # 128 + 6 would need 3 pages: no slack
+
+
 def test_admission_in_arrival_order_and_slot_limit():
     sched = Scheduler(cfg(max_concurrency=2))
     a, b, c = seq(5, 3), seq(5, 3), seq(5, 3)
