@@ -95,7 +95,7 @@ def test_speculation_reserves_two_rounds_of_slack_when_the_pool_has_it():
     pages for its K+1 verification columns and K draft positions); without room in the pool for the
     slack, the plain reservation."""
     sched = Scheduler(cfg(spec_draft_tokens=3))
-    for n, new, pages in [(1, 1, 1), (58, 1, 1), (59, 1, 2), (10, 48, 1), (10, 49, 2), (200, 300, 8)]:
+    for n, new, pages in [(1, 1, 1), (57, 1, 1), (58, 1, 2), (10, 48, 1), (10, 49, 2), (200, 300, 8)]:
         assert sched.pages_for(seq(n, new)) == pages, (n, new)
     tight = Scheduler(cfg(spec_draft_tokens=3, kv_pages=2))
     assert tight.pages_for(seq(100, 28)) == 2                # 128 + 6 would need 3 pages: no slack
