@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-session.sh tests OUT     the GPU test suite (not slow), log in OUT/
 #   scripts/gpu-session.sh decode OUT    one GPU: 27B decode (bf16, fp8, nvfp4) + prefill, 35B-A3B decode,
-#                                        the decode-step profile, speculation on the demo model
+#                                        the decode-step profile, the quantised GEMV variants, speculation on the demo model
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #
@@ -25,15 +25,17 @@ case "$PART" in
     timeout 110 python $B/decode.py --model 35b-a3b --weights bf16 --concurrency 1 8 --prefill --steps 10 \
         --out "$OUT/decode-35b.json" > "$OUT/decode-35b.txt" 2>&1
     timeout 60 python $B/profile_step.py --model 27b --top 12 --out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
+    timeout 90 python $B/linear.py --variants --kinds fp8_row fp8_block nvfp4 --columns 1 4 8 \
+        --out "$OUT/linear-variants.json" > "$OUT/linear.txt" 2>&1
     timeout 150 python $B/spec.py --draft-tokens 0 1 2 3 4 5 --concurrency 1 4 8 --new-tokens 64 \
         --out "$OUT/spec-demo.json" > "$OUT/spec-demo.txt" 2>&1
-    for f in decode-27b decode-35b profile spec-demo; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
+    for f in decode-27b decode-35b profile linear spec-demo; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
   tp)
     timeout 120 python $B/allreduce.py --out "$OUT/allreduce.json" > "$OUT/allreduce.txt" 2>&1
     timeout 300 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox nccl --share \
         --concurrency 1 8 --new-tokens 32 --out "$OUT/decode-tp-nvfp4.json" > "$OUT/decode-tp.txt" 2>&1
-    timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 32 \
-        --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
+    timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
+        --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
   *) echo "unknown part $PART (tests, decode, tp)" >&2; exit 2 ;;
 esac
