@@ -76,19 +76,8 @@ def _check(got, want):
 
 
 def _run_linear(kind, O, I, T, seed, residual=False):
-    from kernels.cuda_linear import linear
     w, wf = _weight(kind, O, I, seed)
-    x = _x(T, I, seed)
-    out = torch.full((T, O), float("nan"), dtype=torch.bfloat16, device="cuda")
-    want = ref.linear(x.float(), wf)
-    if residual:
-        res = torch.randn(T, O, device="cuda", generator=_gen(seed + 2)).to(torch.bfloat16)
-        want = res.float() + want
-        got = linear(x, w, out=out, residual=res)
-    else:
-        got = linear(x, w, out=out)
-    assert got is out
-    _check(got, want)
+    _linear_vs_reference(w, wf, T, seed, 1 if residual else 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -10,11 +10,13 @@ of 20 calls, median of 10 replays) and torch.matmul for bf16, and reports the fr
 bandwidth floor reached. This is what the route table (GEMV up to which T) is chosen from. The bf16
 GEMV is timed at every T asked for, also where the route table sends bf16 to cuBLAS.
 
---variants times the quantised GEMV under both GEMV variants (TANDEM_GEMV_VARIANT=default, the route
-table, and =pipelined, the cp.async-pipelined kernels gemv_*_pipe for T <= 8) side by side at T = 1 2 4
+--variants times the quantised GEMV under both GEMV variants (TANDEM_GEMV_VARIANT=tc, the tensor-core
+route table, and =pipelined, the cp.async-pipelined kernels gemv_*_pipe for T <= 8) side by side at T = 1 2 4
 8 (or --columns), with the bf16 GEMV and cuBLAS for reference, and prints GB/s and the fraction of the
 read bandwidth measured in the same run (kernels/cuda/bench.cu read_probe); --ks also times every
 variant with the I-split forced. The JSON rows carry the kernel and ks each variant's route chose.
+The default variant, auto, takes per layer whichever of the two kernels kernels.cuda_linear.pipe_wins
+names (the rule was read off this table).
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def run_variants(args, cl, bw) -> list[dict]:
                 out = torch.empty(T, O, dtype=torch.bfloat16, device="cuda")
                 for kind in args.kinds:
                     wk = weights[kind]
-                    variants = cl.VARIANTS if kind in QUANT_KINDS else ("tc",)
+                    variants = ("tc", "pipelined") if kind in QUANT_KINDS else ("tc",)
                     for variant in variants:
                         os.environ[cl.VARIANT_ENV] = variant           # read by route() at graph capture
                         graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False), reps=3)   # clocks up
@@ -220,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=int, nargs="*", default=[],
                     help="also time the GEMV with every launch's I-split forced to each of these (1, 2, 4, 8)")
     ap.add_argument("--variants", action="store_true",
-                    help="time the quantised GEMV under TANDEM_GEMV_VARIANT=default and =pipelined side by side")
+                    help="time the quantised GEMV under TANDEM_GEMV_VARIANT=tc and =pipelined side by side")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.columns is None:
