@@ -2,8 +2,11 @@
 
 Each rank holds logits for its vocabulary shard [S, V/N]. Every sampler is written as a Gumbel-max:
 ``token = argmax_v (score_v + G_v)`` with ``score = log p`` of the filtered, tempered distribution
-and Gumbel noise G drawn from a generator keyed by (seed, position), never by batch composition,
-so the same seed and prompt give the same text whatever else is running. Greedy is the same argmax
+and Gumbel noise G keyed by (seed, position, purpose), never by batch composition, so the same seed
+and prompt give the same text whatever else is running. The noise is a counter-based hash of (key,
+token id) in torch integer ops (`keyed_uniforms`): computed on the device that holds the logits
+(no host work per sampled row on a GPU rank), only for the ids a rank needs, with the same bits on
+every device. Greedy is the same argmax
 without noise. Where the score of a token depends only on its own logit (greedy, plain temperature,
 penalties), each rank takes the argmax over its shard and the ranks exchange one (value, index)
 candidate per row; top-k / top-p / min-p need the whole distribution, so those rows gather the
@@ -19,6 +22,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -66,17 +70,77 @@ class SeqSampler:
                 self.output[t] = self.output.get(t, 0) + 1
 
 
+def _key(seed: int, position: int, purpose: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest(), "little")
+
+
 def _generator(seed: int, position: int, purpose: int) -> torch.Generator:
-    key = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+    return torch.Generator().manual_seed(_key(seed, position, purpose) & (2**63 - 1))
+
+
+_M32 = 0xFFFF_FFFF
+_C1, _C2 = 0x85EBCA6B, 0xC2B2AE35       # MurmurHash3's 32-bit finaliser constants
+
+
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """(h * c) mod 2**32 for int64 h in [0, 2**32), in halves so no product leaves int64."""
+    return (h * (c & 0xFFFF) + ((h * (c >> 16)) & 0xFFFF) * 65536) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser (a bijection of [0, 2**32) that mixes every bit into every bit),
+    on int64 tensors holding 32-bit values (any device)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _C2)
+    return h ^ (h >> 16)
+
+
+def _fmix32_np(h: np.ndarray) -> np.ndarray:
+    """The same finaliser on numpy uint32 (wrapping arithmetic): the fast path for CPU tensors."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(_C1)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(_C2)
+    return h ^ (h >> np.uint32(16))
+
+
+def keyed_uniforms(seed: int, position: int, purpose: int, lo: int, hi: int,
+                   device: torch.device | str = "cpu") -> Tensor:
+    """U(0, 1) float64 draws for token ids lo .. hi-1, keyed by (seed, position, purpose): a counter-based
+    hash of (key, counter), two 32-bit counters per id (27 + 26 = 53 bits), three keyed rounds of
+    MurmurHash3's finaliser. Any slice of the vocabulary is computed on its own, on any device, with
+    the same bits everywhere: a rank's shard needs only its slice, and a GPU rank draws on its GPU
+    with no host work (torch int64 ops there, numpy uint32 ones on the CPU)."""
+    key = _key(seed, position, purpose)
+    if torch.device(device).type == "cpu":
+        return _uniforms_np(key, lo, hi)
+    return _uniforms_torch(key, lo, hi, device)
+
+
+def _uniforms_np(key: int, lo: int, hi: int) -> Tensor:
+    k0, k1 = np.uint32(key & _M32), np.uint32(key >> 32)
+    with np.errstate(over="ignore"):
+        c = (np.arange(2 * lo, 2 * hi, dtype=np.uint64) & np.uint64(_M32)).astype(np.uint32)
+        h = _fmix32_np(_fmix32_np(_fmix32_np(c ^ k0) + k1) ^ k0).astype(np.uint64)
+    bits = ((h[0::2] >> np.uint64(5)) << np.uint64(26)) + (h[1::2] >> np.uint64(6))
+    return (torch.from_numpy(bits.astype(np.float64)) + 0.5) * 2.0 ** -53
+
+
+def _uniforms_torch(key: int, lo: int, hi: int, device: torch.device | str) -> Tensor:
+    k0, k1 = key & _M32, key >> 32
+    c = torch.arange(2 * lo, 2 * hi, dtype=torch.int64, device=device) & _M32
+    h = _fmix32(_fmix32((_fmix32(c ^ k0) + k1) & _M32) ^ k0).view(-1, 2)
+    return (((h[:, 0] >> 5) * 67108864 + (h[:, 1] >> 6)).double() + 0.5) * 2.0 ** -53
 
 
 def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu",
-                 purpose: int = PURPOSE_SAMPLE) -> Tensor:
-    """Gumbel(0, 1) noise [vocab] keyed by (seed, position, purpose): the same on every rank and batch."""
-    u = torch.rand(vocab, generator=_generator(seed, position, purpose), dtype=torch.float64)
-    u = u.clamp_(1e-300, 1.0 - 1e-16)
-    return (-torch.log(-torch.log(u))).to(device)
+                 purpose: int = PURPOSE_SAMPLE, lo: int = 0) -> Tensor:
+    """Gumbel(0, 1) noise for token ids lo .. vocab-1 (all of them by default), keyed by (seed,
+    position, purpose): the same on every rank, batch and device, computed where it is used."""
+    u = keyed_uniforms(seed, position, purpose, lo, vocab, device).clamp_(1e-300, 1.0 - 1e-16)
+    return -torch.log(-torch.log(u))
 
 
 def keyed_uniform(seed: int, position: int, purpose: int = PURPOSE_ACCEPT) -> float:
@@ -144,7 +208,7 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
             s = samplers[i]
             row = apply_penalties(logits[i].double(), s, offset)
             if not s.greedy:
-                row = row / s.temperature + gumbel_noise(s.seed, positions[i], vocab)[offset:offset + n]
+                row = row / s.temperature + gumbel_noise(s.seed, positions[i], offset + n, row.device, lo=offset)
             row = row.float()            # the exchange carries float32: decide on float32 at any tp
             k = _argmax_lowest(row)
             cand[j, 0], cand[j, 1] = row[k], offset + k
@@ -161,7 +225,7 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
         rows = rows.permute(1, 0, 2).reshape(len(full), -1)             # [F, V]
         for j, i in enumerate(full):
             s = samplers[i]
-            score = filtered_log_probs(rows[j], s) + gumbel_noise(s.seed, positions[i], vocab)
+            score = filtered_log_probs(rows[j], s) + gumbel_noise(s.seed, positions[i], rows.shape[-1], rows.device)
             tokens[i] = _argmax_lowest(score)
     return tokens
 
@@ -239,9 +303,9 @@ def accept_sampled(logp: Tensor, drafts: list[int], seed: int, positions: list[i
         if not bool(torch.isfinite(rest).any()):                  # p(d) = 1 up to rounding
             out.append(d)
             continue
-        score = rest + gumbel_noise(seed, positions[i], V, purpose=PURPOSE_RESIDUAL)
+        score = rest + gumbel_noise(seed, positions[i], V, logp.device, purpose=PURPOSE_RESIDUAL)
         out.append(_argmax_lowest(score))
         return out
     n = len(drafts)
-    out.append(_argmax_lowest(logp[n] + gumbel_noise(seed, positions[n], V)))
+    out.append(_argmax_lowest(logp[n] + gumbel_noise(seed, positions[n], V, logp.device)))
     return out

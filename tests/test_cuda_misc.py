@@ -203,6 +203,16 @@ def test_moe_route(N, E, X, A, logit_dtype, seed):
     assert near <= max(1, N // 4)
 
 
+def test_keyed_noise_is_the_same_on_the_gpu(seed):
+    """The sampler's keyed uniforms are integer hashes: the same bits on the GPU as on the CPU (the
+    noise a GPU rank adds equals the reference backend's up to the last ulp of log)."""
+    from ranks.sampler import gumbel_noise, keyed_uniforms
+    V = 248_320
+    assert torch.equal(keyed_uniforms(seed, 9, 0, 0, V, "cuda").cpu(), keyed_uniforms(seed, 9, 0, 0, V))
+    torch.testing.assert_close(gumbel_noise(seed, 9, V, "cuda").cpu(), gumbel_noise(seed, 9, V), rtol=1e-14,
+                               atol=1e-14)
+
+
 def test_moe_route_ties_go_to_lower_id():
     cm = _cm()
     X = 256

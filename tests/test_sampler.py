@@ -255,6 +255,30 @@ def test_gumbel_noise_is_keyed_and_standard(seed):
     assert pv > P_MIN
 
 
+def test_keyed_uniforms_slices_and_uniformity(seed):
+    """Any slice of the ids is the same draws as the whole vocabulary's; the draws are U(0, 1) (KS)
+    and lag-1 uncorrelated, and every purpose has its own stream."""
+    from ranks.sampler import keyed_uniforms
+    u = keyed_uniforms(seed, 17, 0, 0, 60_000)
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(keyed_uniforms(seed, 17, 0, 12_345, 40_000), u[12_345:40_000])
+    assert ks_pvalue(u.numpy(), lambda x: np.clip(x, 0.0, 1.0)) > P_MIN
+    z = float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]) * len(u) ** 0.5
+    assert abs(z) < 4.5, z
+    assert not torch.equal(keyed_uniforms(seed, 17, 1, 0, 100), u[:100])
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 4099), (777, 20_000), (2**31 - 10, 2**31 + 10)])
+def test_keyed_uniforms_torch_path_equals_the_numpy_path(lo, hi, seed):
+    """GPU ranks hash with torch int64 ops (split 32-bit multiplies), CPU tensors with numpy uint32
+    wrapping ones: run the torch path here on the CPU, bit for bit against the numpy one (counters
+    past 2**32 wrap the same way)."""
+    from ranks.sampler import _key, _uniforms_np, _uniforms_torch
+    for purpose in (0, 1, 2):
+        key = _key(seed, 1234, purpose)
+        assert torch.equal(_uniforms_torch(key, lo, hi, "cpu"), _uniforms_np(key, lo, hi))
+
+
 def test_fallback_statistics_are_right():
     """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
     for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),
