@@ -221,7 +221,8 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
     full = [i for i in range(S) if samplers[i].needs_full_distribution]
     if full:
         mine = torch.stack([apply_penalties(logits[i].double(), samplers[i], offset) for i in full]).float()
-        rows = gather(mine) if tp > 1 else mine[None]                  # [N, F, n]
+        # gathered rows come back to the logits' device: filtering a 248k-id row sorts it (a GPU's job)
+        rows = gather(mine).to(mine.device) if tp > 1 else mine[None]          # [N, F, n]
         rows = rows.permute(1, 0, 2).reshape(len(full), -1)             # [F, V]
         for j, i in enumerate(full):
             s = samplers[i]
@@ -251,7 +252,7 @@ def gather_log_probs(logits: Tensor, samplers: list[SeqSampler], *, rank: int, t
     S, n = logits.shape
     offset = rank * n
     mine = torch.stack([apply_penalties(logits[i].double(), samplers[i], offset) for i in range(S)]).float()
-    rows = gather(mine) if tp > 1 else mine[None]
+    rows = gather(mine).to(mine.device) if tp > 1 else mine[None]
     rows = rows.permute(1, 0, 2).reshape(S, -1)
     return torch.stack([filtered_log_probs(rows[i], samplers[i]) for i in range(S)])
 
