@@ -70,8 +70,7 @@ class LocalGenerator:
         position = len(prompt_ids)
         for step in range(budget):
             # the same keyed sampler the rank processes use: same seed, same text at any tp
-            token = sample_rows(logits.float().cpu(), [sampler], [position], rank=0, tp=1, gather=None,
-                                vocab=spec.vocab_size)[0]
+            token = sample_rows(logits.float().cpu(), [sampler], [position], rank=0, tp=1, gather=None)[0]
             yield token
             if token in stops or step == budget - 1:
                 return

@@ -192,7 +192,7 @@ def _argmax_lowest(values: Tensor) -> int:
 
 
 def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int], *, rank: int, tp: int,
-                gather: Gather, vocab: int) -> list[int]:
+                gather: Gather) -> list[int]:
     """One token per row. logits [S, V/N] (this rank's shard), positions [S] of the sampled token.
 
     Collective: every rank must call it with the same rows in the same order.
@@ -235,13 +235,13 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
 # Speculative decoding (MTP drafts): collectives and the acceptance rule
 
 
-def argmax_rows(logits: Tensor, *, rank: int, tp: int, gather: Gather, vocab: int) -> list[int]:
+def argmax_rows(logits: Tensor, *, rank: int, tp: int, gather: Gather) -> list[int]:
     """Plain argmax per row over the whole vocabulary, ties to the lower id; one (value, index)
     candidate per row crosses the exchange (the MTP drafts). Collective."""
     if logits.shape[0] == 0:
         return []
     return sample_rows(logits, [SeqSampler(temperature=0.0)] * logits.shape[0], [0] * logits.shape[0],
-                       rank=rank, tp=tp, gather=gather, vocab=vocab)
+                       rank=rank, tp=tp, gather=gather)
 
 
 def gather_log_probs(logits: Tensor, samplers: list[SeqSampler], *, rank: int, tp: int,

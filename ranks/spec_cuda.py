@@ -31,7 +31,6 @@ chunks, forced tokens) runs the eager round.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable, Sequence
 
 import numpy as np
@@ -41,7 +40,6 @@ from ranks.model import Batch, commit_rows
 from ranks.model_cuda import CudaHybridModel, DeviceBatch, pow2
 from runtime.config import PAGE_SIZE
 
-log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
 MAX_STOPS = 64          # stop ids per sequence a captured round carries (more: the eager round)
@@ -50,15 +48,14 @@ MAX_STOPS = 64          # stop ids per sequence a captured round carries (more: 
 class GpuRounds:
     """Greedy speculation rounds of one rank, on device ops (graphed when the model has graphs)."""
 
-    def __init__(self, model: CudaHybridModel, K: int, rank: int, tp: int, draft_vocab: int = 0):
-        """draft_vocab N > 0: drafts come from a reduced proposal head, the lm_head rows of token ids
-        below N (draft_head_rows): a byte-level BPE vocabulary numbers its tokens in merge order, which
-        follows their frequency, so the low ids are the common tokens; 0 = the whole head."""
+    def __init__(self, model: CudaHybridModel, K: int, rank: int, tp: int, draft_rows: int | None = None):
+        """draft_rows: the reduced proposal head, this rank's lm_head rows that drafts come from
+        (`draft_head_rows` of the draft vocabulary bound); None = the whole head."""
         if not 1 <= K <= 15:
             raise ValueError(f"draft tokens {K} outside 1..15")
         self.model, self.K, self.rank, self.tp = model, K, rank, tp
         self.shard_rows = model.head.shape[0]
-        self.draft_rows = draft_head_rows(draft_vocab, rank, self.shard_rows)
+        self.draft_rows = draft_rows
         self._host: Tensor | None = None
         self.rounds = 0
 
@@ -192,7 +189,9 @@ class GpuRounds:
 
 def draft_head_rows(draft_vocab: int, rank: int, shard_rows: int) -> int | None:
     """Rows of this rank's vocabulary shard (ids rank * shard_rows ...) that the reduced proposal head
-    keeps: those below draft_vocab; None = the whole head (draft_vocab 0, or not below the vocabulary)."""
+    keeps: those below draft_vocab; None = the whole head (draft_vocab 0). A byte-level BPE vocabulary
+    numbers its tokens in merge order, which follows their frequency, so the low ids are the common
+    tokens."""
     if draft_vocab < 0:
         raise ValueError(f"draft vocabulary {draft_vocab} must be >= 0 (0 = the whole head)")
     if draft_vocab == 0:

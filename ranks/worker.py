@@ -81,9 +81,9 @@ class Worker:
         self.samplers: dict[int, SeqSampler] = {}
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
         # the reduced proposal head: drafts only among token ids below this (0 = the whole vocabulary)
-        self.draft_vocab = int(hello.options.get("spec_draft_vocab", 0) or 0)
         from ranks.spec_cuda import draft_head_rows
-        self.draft_rows = draft_head_rows(self.draft_vocab, self.rank, self.model.head.shape[0])
+        self.draft_rows = draft_head_rows(int(hello.options.get("spec_draft_vocab", 0) or 0), self.rank,
+                                          self.model.head.shape[0])
         self._phases = np.zeros(4)                       # host seconds per speculation phase, summed
         self._phase_rounds = 0
         if self.spec_k and not self.model.has_mtp:
@@ -100,7 +100,7 @@ class Worker:
         self.gpu_rounds = None
         if self.spec_k and backend == "cuda" and os.environ.get("TANDEM_SPEC_GPU_ROUNDS", "1") != "0":
             from ranks.spec_cuda import GpuRounds
-            self.gpu_rounds = GpuRounds(self.model, self.spec_k, self.rank, self.tp, self.draft_vocab)
+            self.gpu_rounds = GpuRounds(self.model, self.spec_k, self.rank, self.tp, self.draft_rows)
         self._gpu_round_s = np.zeros(2)                  # host seconds of GPU rounds: launch, wait
         if backend == "cuda":
             from ranks.model_cuda import weight_bytes
@@ -149,7 +149,7 @@ class Worker:
         if rows:
             sampled = sample_rows(out.logits[rows].float(), [self.samplers[seq_ids[b]] for b in rows],
                                   [starts[b] + columns[b] for b in rows], rank=self.rank, tp=self.tp,
-                                  gather=self.mailbox.all_gather, vocab=self.spec.vocab_size)
+                                  gather=self.mailbox.all_gather)
         for sid in plan.finished:
             self.samplers.pop(int(sid), None)
         if self.rank != 0:
@@ -196,7 +196,7 @@ class Worker:
             self.transport.check()                      # a peer's hang shows here, not as garbage
         flags = plan.sample.tolist()
         rows = [b for b in range(B) if flags[b]]
-        V, gather = self.spec.vocab_size, self.mailbox.all_gather
+        gather = self.mailbox.all_gather
         # logits of every verification column (plain sampled rows: the last column only)
         row_cols = {b: list(range(bounds[b][1] - ndraft[b] - 1, bounds[b][1])) for b in rows}
         flat = [c for b in rows for c in row_cols[b]]
@@ -209,8 +209,7 @@ class Worker:
         plain = [b for b in rows if ndraft[b] == 0]
         if plain:
             picked = sample_rows(logits[[col_logits[b][0] for b in plain]], [self.samplers[seq_ids[b]] for b in plain],
-                                 [starts[b] + columns[b] for b in plain], rank=self.rank, tp=self.tp, gather=gather,
-                                 vocab=V)
+                                 [starts[b] + columns[b] for b in plain], rank=self.rank, tp=self.tp, gather=gather)
             accepted.update({b: [t] for b, t in zip(plain, picked)})
         drafted = [b for b in rows if ndraft[b] > 0]
 
@@ -227,7 +226,7 @@ class Worker:
                 idx += list(range(*col_logits[b]))
                 smp += ss
                 pos += [first + i for i in range(len(ss))]
-            targets = sample_rows(logits[idx], smp, pos, rank=self.rank, tp=self.tp, gather=gather, vocab=V)
+            targets = sample_rows(logits[idx], smp, pos, rank=self.rank, tp=self.tp, gather=gather)
             at = 0
             for b in greedy:
                 n = ndraft[b]
@@ -330,7 +329,7 @@ class Worker:
         """MTP pass 1 over each sequence's accepted columns (ids shifted left by one, the last = the
         token decided after them; hidden = the target's final-norm hidden there), then K-1 single MTP
         steps on its own output hidden. Returns {b: K drafts (-1 where the KV bound stopped it)}."""
-        K, V = self.spec_k, self.spec.vocab_size
+        K = self.spec_k
         ids, cols, starts, keep_b, hid_rows = [], [], [], [], []
         for b, (lo, hi) in enumerate(bounds):
             n_acc = (hi - lo) - ndraft[b] + (len(accepted[b]) - 1 if b in accepted else 0)
@@ -353,7 +352,7 @@ class Worker:
         h = m[ends]
         pos = [starts[i] + cols[i] - 1 for i in drafting]        # position of the last MTP column
         toks = argmax_rows(self._draft_logits(h), rank=self.rank, tp=self.tp,
-                           gather=self.mailbox.all_gather, vocab=V)
+                           gather=self.mailbox.all_gather)
         live = list(range(len(drafting)))
         cur = {li: toks[k] for k, li in enumerate(live)}
         for j in range(K):
@@ -373,7 +372,7 @@ class Worker:
                        batch.page_tables[[keep_b[drafting[li]] for li in live2]])
             h = self.model.mtp_forward(sb, h[sel], self.state, logits="none").hidden
             new = argmax_rows(self._draft_logits(h), rank=self.rank, tp=self.tp,
-                              gather=self.mailbox.all_gather, vocab=V)
+                              gather=self.mailbox.all_gather)
             cur = {li: new[k] for k, li in enumerate(live2)}
             live = live2
         for b in drafts:

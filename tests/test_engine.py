@@ -122,7 +122,7 @@ class Reference:
             gaps.append(float(top[0] - top[1]) * (s.temperature or 1.0) if torch.isfinite(top[1]) else math.inf)
             if gaps[-1] < margin:
                 raise _NearTie
-            tok = sample_rows(logits[None].float(), [s], [pos], rank=0, tp=1, gather=None, vocab=self.V)[0]
+            tok = sample_rows(logits[None].float(), [s], [pos], rank=0, tp=1, gather=None)[0]
             assert tok == int(torch.argmax(score)), "the reference's score is not the sampler's"
             out_so_far.append(tok)
             return tok

@@ -142,7 +142,7 @@ class StackGather:
 def sample_tp(logits: torch.Tensor, make_samplers, positions: list[int], tp: int) -> list[list[int]]:
     """sample_rows on `tp` simulated ranks (threads), each with its vocabulary shard; every rank's tokens."""
     if tp == 1:
-        return [sample_rows(logits, make_samplers(), positions, rank=0, tp=1, gather=None, vocab=logits.shape[1])]
+        return [sample_rows(logits, make_samplers(), positions, rank=0, tp=1, gather=None)]
     n = logits.shape[1] // tp
     g = StackGather(tp)
     out: list = [None] * tp
@@ -151,7 +151,7 @@ def sample_tp(logits: torch.Tensor, make_samplers, positions: list[int], tp: int
     def run(r: int) -> None:
         try:
             out[r] = sample_rows(logits[:, r * n:(r + 1) * n].contiguous(), make_samplers(), positions, rank=r,
-                                 tp=tp, gather=g.for_rank(r), vocab=logits.shape[1])
+                                 tp=tp, gather=g.for_rank(r))
         except BaseException as e:       # pragma: no cover - reported below
             errors.append(e)
             g.barrier.abort()
@@ -233,14 +233,14 @@ def test_draws_depend_only_on_seed_and_position(seed):
     seeds, positions = keys(seed, n)
     case = dict(temperature=1.0, top_p=0.95)
     logits = row.expand(n, V).contiguous()
-    a = sample_rows(logits, [SeqSampler(seed=s, **case) for s in seeds], positions, rank=0, tp=1, gather=None, vocab=V)
+    a = sample_rows(logits, [SeqSampler(seed=s, **case) for s in seeds], positions, rank=0, tp=1, gather=None)
     perm = np.random.default_rng(seed).permutation(n)
     b = sample_rows(logits, [SeqSampler(seed=seeds[i], **case) for i in perm], [positions[i] for i in perm], rank=0,
-                    tp=1, gather=None, vocab=V)
+                    tp=1, gather=None)
     assert [a[i] for i in perm] == b
     # mixed batches: greedy and other filters next to it change nothing
     mixed = [SeqSampler(seed=s, **case) if i % 2 else SeqSampler(temperature=0.0) for i, s in enumerate(seeds)]
-    c = sample_rows(logits, mixed, positions, rank=0, tp=1, gather=None, vocab=V)
+    c = sample_rows(logits, mixed, positions, rank=0, tp=1, gather=None)
     assert [c[i] for i in range(1, n, 2)] == [a[i] for i in range(1, n, 2)]
     assert len(set(a)) > 5, "different keys must give different draws"
 
