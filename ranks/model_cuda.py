@@ -1,15 +1,18 @@
 """The layer program on tandem's CUDA kernels (kernels/cuda/), for one shard on one GPU.
 
-`CudaHybridModel` is a `HybridModel` whose decode and verification steps (every sequence of the
-step has at most MAX_FAST_COLUMNS columns) run batched kernels over device-side batch metadata:
+`CudaHybridModel` is a `HybridModel` whose steps run batched kernels over device-side batch
+metadata:
 
     embedding -> [input norm -> mixer -> all-reduce -> add + post norm -> FFN -> all-reduce
                   -> add + next norm] x layers -> final norm -> vocabulary-shard head
 
-with no per-sequence Python, so the whole step can be captured as a CUDA graph (ranks/graphs.py)
-and replayed with only the metadata copied in. Steps with longer sequences (prefill chunks) run
-the reference layer program on the GPU, with linear layers routed through the same kernels
-(cuBLAS for many columns). Weights may be quantised on load (FP8 per-row or 128x128 blocks, NVFP4):
+Decode and verification steps (every sequence of the step has at most MAX_FAST_COLUMNS columns)
+have no per-sequence Python, so the whole step can be captured as a CUDA graph (ranks/graphs.py)
+and replayed with only the metadata copied in. Steps with longer sequences (prefill chunks) run the
+same program eagerly ("long" steps: the DeviceBatch carries the host batch), with the prefill
+attention kernel over the paged KV, the GDN rule in its chunked form, cuBLAS for the linear layers
+and, for MoE models, the reference router and experts. Verification steps with more than
+MAX_FAST_COLUMNS columns (never planned by the engine) run the reference layer program. Weights may be quantised on load (FP8 per-row or 128x128 blocks, NVFP4):
 the linear layers of attention, GDN and the MLP; embeddings, lm_head, norms, router, in_proj_a/b and
 conv weights stay 16-bit.
 """
@@ -69,13 +72,14 @@ class DeviceBatch:
     last_cols: Tensor
     max_len: int
     storage: Tensor
+    host: Batch | None = None
 
     @staticmethod
     def words(B: int, N: int, P: int) -> int:
         return 4 * N + (B + 1) + 3 * B + B * P
 
     @classmethod
-    def on(cls, storage: Tensor, B: int, N: int, P: int, max_len: int) -> "DeviceBatch":
+    def on(cls, storage: Tensor, B: int, N: int, P: int, max_len: int, host: Batch | None = None) -> "DeviceBatch":
         """Views of a flat int32 buffer laid out as `pack` writes it."""
         at = 0
 
@@ -90,7 +94,7 @@ class DeviceBatch:
         last_cols = take(B)
         take(N)                                              # spare (keeps words() a simple formula)
         return cls(B, N, P, ids, positions, seq_of_col, cu_seqlens, slots, fresh, page_tables, last_cols,
-                   max_len, storage)
+                   max_len, storage, host)
 
     @staticmethod
     def pack(batch: Batch, P: int) -> np.ndarray:
@@ -163,7 +167,10 @@ class CudaHybridModel(HybridModel):
             flags = [True] * len(flags)
         fast = max(batch.columns) <= MAX_FAST_COLUMNS and (all(flags) or not any(flags))
         if not fast:
-            return super().forward(batch, state, logits, keep_columns)
+            if any(flags):
+                return super().forward(batch, state, logits, keep_columns)
+            with torch.cuda.device(self.device_index):          # a long (prefill) step, eager
+                return self.fast_forward(self.device_batch(batch, long=True), state, logits)
         keep = all(flags)
         # a verification step where every sequence has T columns keeps its columns in the batched
         # form (graphable, committed by one gather per layer); mixed column counts keep lists (eager)
@@ -215,13 +222,12 @@ class CudaHybridModel(HybridModel):
 
     @torch.inference_mode()
     def mtp_forward(self, batch: Batch, hidden: Tensor, state: ModelState, logits="all") -> StepOutput:
-        """The MTP layer; drafting steps (<= MAX_FAST_COLUMNS columns per sequence) on the kernels."""
+        """The MTP layer on the kernels (eagerly for prefill chunks, > MAX_FAST_COLUMNS columns)."""
         if not self.has_mtp:
             raise RuntimeError("this checkpoint has no MTP weights")
-        if max(batch.columns) > MAX_FAST_COLUMNS:
-            return super().mtp_forward(batch, hidden, state, logits)
         with torch.cuda.device(self.device_index):
-            return self.fast_mtp(self.device_batch(batch), hidden, state, logits)
+            long = max(batch.columns) > MAX_FAST_COLUMNS
+            return self.fast_mtp(self.device_batch(batch, long=long), hidden, state, logits)
 
     def fast_mtp(self, db: DeviceBatch, hidden: Tensor, state: ModelState, logits="all") -> StepOutput:
         """m = mtp.norm(layer(fc([norm_e(embed(ids)) | norm_h(hidden)]))) and its head logits; the
@@ -234,33 +240,34 @@ class CudaHybridModel(HybridModel):
         h = cm.rms_norm(x, w[p + "input_layernorm.weight"], eps)
         y = self._fast_attention(p, h, db, *state.attention_kv(None))
         x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
-        y = self._fast_ffn(p, h)
+        y = self._fast_ffn(p, h) if db.host is None else self._ffn(p, h)
         x, m = cm.add_rms_norm(x, y, w["mtp.norm.weight"], eps)
         return StepOutput(m, self._fast_logits(m, db, logits))
 
     def device_batch(self, batch: Batch, P: int | None = None, storage: Tensor | None = None,
-                     extra: np.ndarray | None = None) -> DeviceBatch:
+                     extra: np.ndarray | None = None, long: bool = False) -> DeviceBatch:
         """Upload a batch's metadata (one copy through a pinned buffer); `extra` int32 words follow
-        the batch's in the same copy (a speculation round's stop ids)."""
+        the batch's in the same copy (a speculation round's stop ids). long: a prefill step (the
+        DeviceBatch keeps the host batch)."""
         P = P or pages_needed(batch)
         B, N = len(batch.columns), sum(batch.columns)
         packed = DeviceBatch.pack(batch, P)
         if extra is not None:
             packed = np.concatenate([packed, np.asarray(extra, dtype=np.int32).reshape(-1)])
-        host = torch.from_numpy(packed)
-        if self._meta_pinned is None or self._meta_pinned.numel() < host.numel():
-            self._meta_pinned = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int32, pin_memory=True)
+        words = torch.from_numpy(packed)
+        if self._meta_pinned is None or self._meta_pinned.numel() < words.numel():
+            self._meta_pinned = torch.empty(max(words.numel(), 1 << 16), dtype=torch.int32, pin_memory=True)
             self._meta_copied = None
         if self._meta_copied is not None:          # the previous step's copy must have left the buffer
             self._meta_copied.synchronize()
-        pinned = self._meta_pinned[:host.numel()]
-        pinned.copy_(host)
+        pinned = self._meta_pinned[:words.numel()]
+        pinned.copy_(words)
         if storage is None:
-            storage = torch.empty(host.numel(), dtype=torch.int32, device=self.device)
-        storage[:host.numel()].copy_(pinned, non_blocking=True)
+            storage = torch.empty(words.numel(), dtype=torch.int32, device=self.device)
+        storage[:words.numel()].copy_(pinned, non_blocking=True)
         self._meta_copied = torch.cuda.Event()
         self._meta_copied.record()
-        return DeviceBatch.on(storage, B, N, P, P * PAGE_SIZE)
+        return DeviceBatch.on(storage, B, N, P, P * PAGE_SIZE, batch if long else None)
 
     # ----------------------------------------------------------------------------------------------
     # The fast program
@@ -291,7 +298,7 @@ class CudaHybridModel(HybridModel):
             else:
                 y = self._fast_gdn(p, h, db, state, self.gdn_index[i], keep_batch, kept)
             x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
-            y = self._fast_ffn(p, h)
+            y = self._fast_ffn(p, h) if db.host is None else self._ffn(p, h)
             nxt = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < L else w["norm.weight"]
             x, h = cm.add_rms_norm(x, y, nxt, eps)
         return StepOutput(h, self._fast_logits(h, db, logits), kept)
@@ -306,10 +313,24 @@ class CudaHybridModel(HybridModel):
                         k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
         q, gate = self._attention_in(p, h, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
                                      k_scale, v_scale)
+        if db.host is not None:
+            o = self._prefill_attention(q, gate, db, k_pool, v_pool, k_scale, v_scale)
+            return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
         o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col,
                                 self.spec.head_dim ** -0.5, gate, max_len_hint=db.max_len, k_scale=k_scale,
                                 v_scale=v_scale)                             # [N, H*D], gated
         return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
+
+    def _prefill_attention(self, q: Tensor, gate: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
+                           k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
+        """Gated attention [N, H*D] of a long step's columns (q, gate from _attention_in)."""
+        batch, D = db.host, self.spec.head_dim
+        o = torch.empty(db.N, self.num_heads * D, dtype=q.dtype, device=q.device)
+        for b, (lo, hi) in enumerate(batch.bounds):
+            o[lo:hi] = ca.prefill_attention(q[lo:hi], k_pool, v_pool, db.page_tables[b], db.positions[lo:hi],
+                                            D ** -0.5, gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b],
+                                            k_scale=k_scale, v_scale=v_scale)
+        return o
 
     def _attention_in(self, p: str, h: Tensor, positions: Tensor, seq_of_col: Tensor, page_tables: Tensor,
                       k_pool: Tensor, v_pool: Tensor, k_scale: Tensor | None, v_scale: Tensor | None):
@@ -344,7 +365,8 @@ class CudaHybridModel(HybridModel):
                 kept.old_conv[j].append(torch.zeros_like(old) if start == 0 else old.clone())
                 kept.conv_in[j].append(qkv[lo:hi].clone())
                 kept.states[j].append(keep_states[lo:hi])
-        return self._gdn_out(p, qkv, z, a, b, state, j, db.slots, db.cu_seqlens, db.fresh, keep_states)
+        return self._gdn_out(p, qkv, z, a, b, state, j, db.slots, db.cu_seqlens, db.fresh, keep_states,
+                             max_columns=None if db.host is None else max(db.host.columns))
 
     def _gdn_in(self, p: str, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]."""

@@ -2,8 +2,8 @@
 float32 reference layer program, on random checkpoints of several shapes.
 
 Teacher forcing: every sequence's tokens are fixed up front; the reference computes float32 logits
-at every position in one pass; the CUDA model (bfloat16) prefills a prefix (the reference path on
-the GPU for long chunks), then decodes the rest one column per sequence per step (or 4 columns, as
+at every position in one pass; the CUDA model (bfloat16) prefills a prefix (long chunks: the eager long-step
+program, prefill attention and chunked GDN), then decodes the rest one column per sequence per step (or 4 columns, as
 in a speculation round), in a batch of sequences of different lengths. At every decoded position
 the logits must agree within bfloat16 bounds and the argmax must agree wherever the reference's
 top-2 margin is not a near-tie.
@@ -111,7 +111,7 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     pages = 4
     state = model.new_state(B, B * pages)
     tables = page_table(B, pages)
-    # prefill each prefix (long chunks: the reference path on the GPU, short ones: kernels)
+    # prefill each prefix (long chunks: the eager long-step program; short ones: the decode kernels)
     prefill, decode = Agreement(f"{name} prefill"), Agreement(f"{name} T={columns}")
     for b, (ids, p) in enumerate(zip(seqs, prefix)):
         out = model.forward(Batch(torch.tensor(ids[:p]), [p], [0], [b], tables[b:b + 1]), state, logits="all")
