@@ -12,8 +12,8 @@ sequence's KV; each GDN state read and written) by the HBM read bandwidth measur
 that quotient is the floor, and floor / step is the fraction of it reached. Prefill: one sequence
 of each --prefill length in --prefill-chunk columns per step, run twice (the second run is the figure;
 the first, with its one-off compiles and library plans, is kept in the JSON), tokens/s and the fraction
-of the dense bf16 matmul rate measured in the same run (2 x active params x tokens FLOPs). --hf: Hugging Face
-transformers on the same config with random bf16 weights (decode steps at each C) in the same run.
+of the dense bf16 matmul rate measured in the same run (FLOPs: 2 x the layers' 2-D weights x tokens,
+plus the head for the last token). --hf: Hugging Face transformers on the same config with random bf16 weights (decode steps at each C) in the same run.
 
 Prints a table and writes JSON (configuration, device, commit, results) to --out.
 """
@@ -253,10 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         if fmt == "bf16":
             for L in args.prefill:
                 first, t = time_prefill(model, state, L, args.prefill_chunk)
+                # the layers' matmuls run on every token; the head only on the last one
                 active = sum(v.numel() for k, v in model.w.items()
                              if isinstance(v, torch.Tensor) and v.dim() == 2 and not k.startswith("mtp.")
-                             and "embed" not in k)
-                rate = 2 * active * L / t
+                             and "embed" not in k and k != "lm_head.weight")
+                rate = 2 * (active * L + model.head.numel()) / t
                 res["prefill"].append(dict(tokens=L, chunk=args.prefill_chunk, s=t, first_s=first, tok_s=L / t,
                                            flops=rate, of_matmul=rate / mm))
                 print(f"prefill {L:6d} tokens: {t:7.2f} s  {L / t:9.0f} tok/s  {rate / mm:6.1%} of matmul rate "
