@@ -13,7 +13,8 @@ that quotient is the floor, and floor / step is the fraction of it reached. Pref
 of each --prefill length in --prefill-chunk columns per step, run twice (the second run is the figure;
 the first, with its one-off compiles and library plans, is kept in the JSON), tokens/s and the fraction
 of the dense bf16 matmul rate measured in the same run (FLOPs: 2 x the layers' 2-D weights x tokens,
-plus the head for the last token). --hf: Hugging Face transformers on the same config with random bf16 weights (decode steps at each C) in the same run.
+plus the head for the last token). --hf: Hugging Face transformers on the same config with random bf16
+weights (decode steps at each C) in the same run.
 
 Prints a table and writes JSON (configuration, device, commit, results) to --out.
 """
