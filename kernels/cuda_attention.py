@@ -1,5 +1,6 @@
 """Gated attention on the GPU: q/k norm + rope + paged KV write, batched decode/verification
-attention (flash-decoding over the paged bf16 pools) and a prefill path. Kernels: cuda/attention.cu.
+attention (flash-decoding over the paged bf16 pools), batched prefill attention on tensor cores, and a
+torch prefill path. Kernels: cuda/attention.cu, cuda/prefill_attention.cu.
 
 Batch metadata lives on the device so every call is CUDA-graph capturable (no host sync, no
 data-dependent Python): positions [N] int32 (position of each column), seq_of_col [N] int32 (the
@@ -10,12 +11,15 @@ A sequence's columns sit at consecutive positions; column n attends to keys 0..p
                               page_tables, k_pool, v_pool, rotary_dim, theta)
     o = decode_attention(q, k_pool, v_pool, page_tables, positions, seq_of_col, D ** -0.5,
                          gate, max_len_hint=bucket_max_context)              # [N, H*D] gated
+    o = prefill_attention_batched(q, k_pool, v_pool, page_tables, positions, cu_seqlens, D ** -0.5,
+                                  gate, max_columns)                         # [N, H*D] gated, tensor cores
 
 int8 KV: pools of int8 codes [P, 64, KV, D] with fp32 scale pools k_scale / v_scale [P, 64, KV, D/64]
 (one scale per token, kv head and 64 channels; kernels/reference.quantize_kv_int8). Pass the scale
 pools as k_scale= / v_scale= to every function; the pool dtype picks the kernels
 (qk_norm_rope_kv_write_i8 quantises k after norm + rope and v; gqa_decode_split_i8_g* dequantise in
-registers; prefill gathers and dequantises in torch). D must be 64, 128 or 256 for the int8 decode.
+registers; prefill_attention_batched dequantises each K/V tile in shared memory; prefill_attention
+gathers and dequantises in torch). D must be 64, 128 or 256 for the int8 decode.
 
 Numerics follow kernels/reference.py in bf16: norms in fp32 rounded to bf16, cos/sin rounded to
 bf16 and the rotation done in bf16 steps, softmax in fp32, the attention output rounded to bf16 and
@@ -25,6 +29,7 @@ probabilities to bf16 before P.V; the kernel keeps them in fp32.)
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
@@ -46,7 +51,8 @@ _COMBINE_THREADS = 64
 _MIN_CHUNK = 64                  # keys per split at least (H200, 27B C=1: 256 left 32 CTAs and 10% of the step)
 _WAVES = 2                       # aim for this many CTAs per SM when choosing splits
 
-__all__ = ["qk_norm_rope_kv_write", "decode_attention", "prefill_attention", "choose_splits"]
+__all__ = ["qk_norm_rope_kv_write", "decode_attention", "prefill_attention", "prefill_attention_batched",
+           "choose_splits"]
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -315,3 +321,174 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
         out.copy_(y)
         return out
     return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched prefill on tensor cores (cuda/prefill_attention.cu)
+
+_PF_SRC = "prefill_attention"
+_PF_DIMS = (64, 128, 256)        # head dims the kernel is instantiated for
+_PF_WARPS = (8, 4)               # 16 query rows per warp; 8 preferred (a K/V tile serves 128 rows)
+_SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without the opt-in attribute
+_DEV_ATTR_SMEM_OPTIN = 97        # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
+def prefill_smem_bytes(D: int, warps: int, quant: bool) -> int:
+    """Dynamic shared memory of prefill_attn_*: Q [16 warps, D] + K, V [64, D] bf16 tiles, int8 staging
+    (codes [64, D] and fp32 scales [64, D/64], for K and V), and one int per warp."""
+    smem = 2 * D * (16 * warps + 2 * PAGE_SIZE) + 4 * warps
+    if quant:
+        smem += 2 * (PAGE_SIZE * D + PAGE_SIZE * (D // _KV_GROUP) * 4)
+    return smem
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device: int) -> int:
+    """Largest dynamic shared memory a block may opt in to on `device`."""
+    props = torch.cuda.get_device_properties(device)
+    v = getattr(props, "shared_memory_per_block_optin", None)
+    if v:
+        return int(v)
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.deviceGetAttribute(_DEV_ATTR_SMEM_OPTIN, device))
+    except Exception:  # noqa: BLE001
+        return _SMEM_DEFAULT
+
+
+_pf_smem_set: set[tuple[str, int]] = set()
+
+
+def _prefill_kernel(name: str, dev: int, smem: int):
+    """The kernel, opted in to `smem` bytes of dynamic shared memory (above 48 KiB a launch fails without
+    the attribute). Set once per kernel and device, with the device current (CuPy resolves a kernel's
+    handle per current device); it is not a stream operation, so a later call may run inside a graph
+    capture."""
+    fn = L.kernel(_PF_SRC, name, dev)
+    if smem > _SMEM_DEFAULT and (name, dev) not in _pf_smem_set:
+        import cupy
+        with cupy.cuda.Device(dev):
+            fn.max_dynamic_shared_size_bytes = smem
+        _pf_smem_set.add((name, dev))
+    return fn
+
+
+def prefill_warps(D: int, quant: bool, ctas8: int, sms: int, smem_limit: int, warps: int | None = None) -> int | None:
+    """Warps per CTA of the prefill kernel (8 or 4), or None when no variant applies (the wrapper then
+    takes the torch path): D must be 64, 128 or 256 and the CTA's shared memory must fit `smem_limit`.
+    8 warps unless 4 are forced, 8 do not fit, or 8-warp CTAs (`ctas8` of them) would leave SMs idle."""
+    if D not in _PF_DIMS:
+        return None
+    fits = [w for w in _PF_WARPS if prefill_smem_bytes(D, w, quant) <= smem_limit]
+    if warps is not None:
+        if warps not in _PF_WARPS:
+            raise KernelError(f"warps {warps}: the prefill kernel has {_PF_WARPS}")
+        return warps if warps in fits else None
+    if not fits:
+        return None
+    if 8 in fits and (4 not in fits or ctas8 >= sms):
+        return 8
+    return 4
+
+
+def prefill_attention_batched(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                              page_tables: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                              scale: float, gate: torch.Tensor, max_columns: int, max_len: int | None = None,
+                              out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None, warps: int | None = None) -> torch.Tensor:
+    """Causal gated GQA attention of the prefill columns of B sequences against the paged KV, on
+    tensor cores (flash attention: no mask, no gather, key tiles past a tile's last position skipped).
+
+    Inputs (device tensors, nothing read on the host, so a call is CUDA-graph capturable once the
+    kernel is compiled):
+      q            [N, H, D] bf16, contiguous: normed and roped queries (qk_norm_rope_kv_write's q_out).
+      k_pool, v_pool  [P, 64, KV, D] bf16, or int8 codes with k_scale / v_scale [P, 64, KV, D/64] fp32.
+                   Every key 0..positions[n] of each column's sequence must already be written (the
+                   columns' own keys included: qk_norm_rope_kv_write runs first).
+      page_tables  [>= B, max_pages] int32: row b holds sequence b's page ids; every page holding a key
+                   <= that sequence's largest position must be valid.
+      positions    [N] int32: position of each column.
+      cu_seqlens   [B + 1] int32: sequence b owns columns cu_seqlens[b] .. cu_seqlens[b+1] - 1
+                   (non-decreasing, cu_seqlens[0] = 0, cu_seqlens[B] = N; a sequence may have 0 columns).
+      gate         [N, H*D] or [N, H, D] bf16 with unit last stride (a strided view of the q projection,
+                   e.g. qg.view(N, H, 2*D)[..., D:], is used in place).
+      scale        softmax scale (D ** -0.5), > 0.
+      max_columns  host-side upper bound on any sequence's column count (it sizes the grid: a bound
+                   that is too small leaves the first columns of longer sequences unwritten).
+      max_len      optional host-side bound on any column's key count (largest position + 1); checked
+                   against the page table width.
+      warps        force 8 or 4 warps per CTA (tuning); default: 8 unless they would leave SMs idle
+                   or do not fit the device's shared memory.
+
+    Column n attends to keys 0..positions[n] of its sequence; query head h reads kv head h // (H/KV).
+    Positions need not start at 0 (a chunk continuing a cached prompt) nor be consecutive, but each
+    must be below max_pages * 64. Returns out [N, H*D] bf16 = bf16(attn) * bf16(sigmoid(gate)) (the
+    decode kernels' epilogue); int8 pools are dequantised as the reference's bf16 path (fp32 code *
+    scale rounded to bf16). Numerics: fp32 scores, softmax and accumulation; probabilities rounded to
+    bf16 for P.V (as the reference does in bf16).
+
+    D other than 64/128/256, or a device whose shared memory does not fit the smallest variant
+    (int8 at D 256 needs ~130 KB), takes the torch path instead: prefill_attention per sequence, which
+    reads cu_seqlens and the positions on the host (synchronises; not capturable).
+    """
+    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
+    check(q, "q", torch.bfloat16, (None, None, D))
+    N, H = q.shape[0], q.shape[1]
+    if H % KV:
+        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
+    if not _aligned(q):
+        raise KernelError("q must be 16-byte aligned")
+    check(positions, "positions", torch.int32, (N,))
+    check(cu_seqlens, "cu_seqlens", torch.int32, (None,))
+    B = cu_seqlens.shape[0] - 1
+    if B < 1:
+        raise KernelError("cu_seqlens: need B + 1 >= 2 entries")
+    check(page_tables, "page_tables", torch.int32, (None, None))
+    if page_tables.shape[0] < B or page_tables.shape[1] < 1:
+        raise KernelError(f"page_tables: shape {tuple(page_tables.shape)} for {B} sequences")
+    if not scale > 0:
+        raise KernelError(f"scale {scale}: must be > 0")
+    max_columns = int(max_columns)
+    if N and not 1 <= max_columns <= N:
+        raise KernelError(f"max_columns {max_columns}: need 1 <= max_columns <= N = {N}")
+    if max_len is not None and not 1 <= int(max_len) <= page_tables.shape[1] * PAGE_SIZE:
+        raise KernelError(f"max_len {max_len}: need 1 <= max_len <= {page_tables.shape[1] * PAGE_SIZE} "
+                          f"(page table width * {PAGE_SIZE})")
+    gate, gs0, gs1 = _gate(gate, N, H, D)
+    if out is None:
+        out = torch.empty(N, H * D, dtype=torch.bfloat16, device=q.device)
+    check(out, "out", torch.bfloat16, (N, H * D))
+    if not _aligned(out):
+        raise KernelError("out must be 16-byte aligned")
+    if N == 0:
+        return out
+
+    dev = L.device_of(q)
+    G = H // KV
+    tiles8 = -(-max_columns * G // (16 * 8))
+    W = prefill_warps(D, quant, KV * B * tiles8, L.sm_count(dev), _smem_optin(dev), warps)
+    if W is None:
+        return _prefill_torch(q, k_pool, v_pool, page_tables, positions, cu_seqlens, scale, gate, out,
+                              k_scale, v_scale)
+    tiles = -(-max_columns * G // (16 * W))
+    if B > 65535 or tiles > 65535:
+        raise KernelError(f"prefill grid ({KV}, {B}, {tiles}) exceeds 65535 in y or z")
+    smem = prefill_smem_bytes(D, W, quant)
+    name = f"prefill_attn_{'i8_' if quant else ''}d{D}_w{W}"
+    fn = _prefill_kernel(name, dev, smem)
+    L.launch(fn, (KV, B, tiles), (32 * W,),
+             (out, q, k_pool, v_pool, k_scale, v_scale, page_tables, positions, cu_seqlens, gate,
+              H, KV, page_tables.shape[1], np.int64(gs0), np.int64(gs1), np.float32(scale * _LOG2E)),
+             shared_mem=smem, device=dev)
+    return out
+
+
+def _prefill_torch(q, k_pool, v_pool, page_tables, positions, cu_seqlens, scale, gate, out, k_scale, v_scale):
+    """prefill_attention_batched on the torch path: prefill_attention per sequence (host sync)."""
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        lo, hi = cu[b], cu[b + 1]
+        if hi > lo:
+            prefill_attention(q[lo:hi], k_pool, v_pool, page_tables[b], positions[lo:hi], scale, gate=gate[lo:hi],
+                              out=out[lo:hi], k_scale=k_scale, v_scale=v_scale)
+    return out

@@ -323,14 +323,13 @@ class CudaHybridModel(HybridModel):
 
     def _prefill_attention(self, q: Tensor, gate: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
                            k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
-        """Gated attention [N, H*D] of a long step's columns (q, gate from _attention_in)."""
-        batch, D = db.host, self.spec.head_dim
-        o = torch.empty(db.N, self.num_heads * D, dtype=q.dtype, device=q.device)
-        for b, (lo, hi) in enumerate(batch.bounds):
-            o[lo:hi] = ca.prefill_attention(q[lo:hi], k_pool, v_pool, db.page_tables[b], db.positions[lo:hi],
-                                            D ** -0.5, gate=gate[lo:hi], length=batch.starts[b] + batch.columns[b],
-                                            k_scale=k_scale, v_scale=v_scale)
-        return o
+        """Gated attention [N, H*D] of a long step's columns (q, gate from _attention_in): the
+        tensor-core prefill kernel over every sequence of the step at once."""
+        batch = db.host
+        return ca.prefill_attention_batched(
+            q, k_pool, v_pool, db.page_tables, db.positions, db.cu_seqlens, self.spec.head_dim ** -0.5, gate,
+            max_columns=max(batch.columns), max_len=max(s + c for s, c in zip(batch.starts, batch.columns)),
+            k_scale=k_scale, v_scale=v_scale)
 
     def _attention_in(self, p: str, h: Tensor, positions: Tensor, seq_of_col: Tensor, page_tables: Tensor,
                       k_pool: Tensor, v_pool: Tensor, k_scale: Tensor | None, v_scale: Tensor | None):
