@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
+from . import cuda_misc
 from . import launch as L
 from .quant import QuantWeight
 
@@ -389,7 +389,4 @@ def linear_swiglu(x: torch.Tensor, w_gate_up, out: torch.Tensor | None = None) -
     out = _out(out, (T, Fh), dev)
     if T <= GEMV_COLUMNS[_kind_of(w_gate_up)]:
         return _gemv(x, w_gate_up, out, None, swiglu=True)
-    y = _prefill(x, w_gate_up)
-    gate, up = y[:, :Fh], y[:, Fh:]
-    torch.mul(F.silu(gate), up, out=out)
-    return out
+    return cuda_misc.swiglu(_prefill(x, w_gate_up).contiguous(), out=out)

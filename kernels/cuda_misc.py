@@ -1,5 +1,5 @@
-"""CUDA wrappers for the small ops: embedding, RMSNorm (+ fused residual add), the MoE router and
-routed experts, and the row argmax of the greedy sampler.
+"""CUDA wrappers for the small ops: embedding, RMSNorm (+ fused residual add), SwiGLU of a gate|up
+product, the MoE router and routed experts, and the row argmax of the greedy sampler.
 
 Sources: kernels/cuda/norm.cu, moe.cu, sample.cu. Every wrapper takes torch CUDA tensors, validates
 them (errors name the argument), allocates missing outputs with torch.empty (or writes into `out=`),
@@ -13,6 +13,7 @@ Semantics follow kernels/reference.py (the oracle in tests/test_cuda_misc.py):
                  squares is summed in a different order than torch's, so a result may differ by one
                  bf16 ulp where the sum rounds differently.
   add_rms_norm   x_new = bf16(x + y) (torch's bf16 add) and rms_norm(x_new), in one pass.
+  swiglu         bf16(bf16(silu(gate)) * up) of a [T, 2F] gate|up product (torch's bf16 ops, bit for bit).
   moe_route      reference.moe_route on router logits: softmax in fp32 over all experts, top-k with
                  ties to the lower expert id, renormalised; weights bf16, ids int32.
   moe_experts_*  reference.moe_experts: sum_a w_a * down_e(silu(gate_e x) * up_e x); the decode kernels
@@ -160,6 +161,35 @@ def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float, x_out: Tensor
     dev = _same_device(x=x, y=y, weight=weight, x_out=x_out, out=out)
     _norm_launch(out, x_out, x, y, weight, eps, dev)
     return x_out, out
+
+
+def swiglu(y: Tensor, out: Tensor | None = None) -> Tensor:
+    """SwiGLU of a gate|up product: y [T, 2F] bf16 (gate columns first) -> out [T, F] bf16 =
+    bf16(bf16(silu(gate)) * up), bit for bit torch's F.silu(gate) * up in bf16."""
+    check(y, "y", BF16, (None, None))
+    T, F2 = y.shape
+    if F2 % 2:
+        raise KernelError(f"y: needs an even number of columns (gate | up), got {F2}")
+    if not y.is_contiguous():
+        raise KernelError("y: must be contiguous")
+    Fh = F2 // 2
+    if out is None:
+        out = torch.empty(T, Fh, dtype=BF16, device=y.device)
+    check(out, "out", BF16, (T, Fh))
+    if not out.is_contiguous():
+        raise KernelError("out: must be contiguous")
+    dev = _same_device(y=y, out=out)
+    if T == 0 or Fh == 0:
+        return out
+    if Fh % 8 == 0 and _aligned(y, out):
+        threads = min(256, _round32(Fh // 8))
+        launch(kernel("norm", "swiglu_bf16_v8", dev), (_cdiv(Fh // 8, threads), T), (threads,), (out, y, Fh),
+               device=dev)
+    else:
+        threads = min(256, _round32(Fh))
+        launch(kernel("norm", "swiglu_bf16_generic", dev), (_cdiv(Fh, threads), T), (threads,), (out, y, Fh),
+               device=dev)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ and odd small ones (E=24, 40; X=8, A=2, I=32).
 
 Bounds:
 * embedding: exact (out-of-range ids read the clamped row).
+* swiglu: exact against torch's bf16 F.silu(gate) * up.
 * rms_norm / add_rms_norm: the residual add is bit-exact; the norm is within 1 bf16 ulp of the
   reference (the fp32 sum of squares is summed in a different order than torch's reduction; the
   maths after it is the reference's, operation for operation). The share of elements that are not
@@ -150,6 +151,21 @@ def test_add_rms_norm(shape, aligned, seed):
     assert r_x.data_ptr() == xi.data_ptr()
     assert torch.equal(xi.view(torch.int16), x_new.view(torch.int16))
     assert torch.equal(r_out.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.parametrize("T,F2", [(300, 2 * 17408), (33, 2 * 8704), (5, 2 * 13), (2, 2 * 24)])
+def test_swiglu(T, F2, seed):
+    """Bit for bit torch's bf16 F.silu(gate) * up (the reference's roundings), fast and generic paths."""
+    cm = _cm()
+    y = _randn((T, F2), _gen(seed), scale=4.0)
+    gate, up = y[:, :F2 // 2], y[:, F2 // 2:]
+    want = F.silu(gate) * up
+    got = cm.swiglu(y, out=_poison((T, F2 // 2), BF16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+        f"{(got.float() != want.float()).sum().item()} of {want.numel()} elements differ"
+    # the reference formula in float32 agrees to bf16 rounding
+    r = (F.silu(gate.float()).bfloat16().float() * up.float())
+    assert rel(got.float(), r) < 1e-2
 
 
 # --------------------------------------------------------------------------------------------------

@@ -171,3 +171,40 @@ extern "C" __global__ void embedding_bf16_generic(bf16_t* out, const void* ids, 
     const long long row = emb_row(ids, ids64, n, V);
     out[(long long)n * E + i] = __ldg(table + row * E + i);
 }
+
+// --------------------------------------------------------------------------------------------------
+// SwiGLU of a gate|up matmul's output (prefill: cuBLAS writes y [T, 2F], gate = y[:, :F], up = y[:, F:]):
+// out[t, f] = bf16(bf16(silu(gate)) * up), silu = x / (1 + exp(-x)) in fp32: torch's bf16 F.silu then
+// bf16 mul, bit for bit (kernels/reference.swiglu_mlp). One pass instead of torch's two strided ones.
+
+__device__ __forceinline__ float swiglu_one(float g, float u) {
+    const float s = __uint_as_float((unsigned)f32_to_bf16(g / (1.f + expf(-g))) << 16);
+    return __fmul_rn(s, u);
+}
+
+// grid (ceil(F / 8 / block), T); F % 8 == 0, y and out 16-byte aligned.
+extern "C" __global__ void swiglu_bf16_v8(bf16_t* __restrict__ out, const bf16_t* __restrict__ y, int F) {
+    const int t = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (F >> 3)) return;
+    const bf16_t* row = y + (long long)t * 2 * F;
+    const uint4 g = reinterpret_cast<const uint4*>(row)[i];
+    const uint4 u = reinterpret_cast<const uint4*>(row + F)[i];
+    const unsigned gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+    unsigned ow[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 a = bf16x2_to_f32x2(gw[j]), b = bf16x2_to_f32x2(uw[j]);
+        ow[j] = norm_pack2(swiglu_one(a.x, b.x), swiglu_one(a.y, b.y));
+    }
+    reinterpret_cast<uint4*>(out + (long long)t * F)[i] = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+}
+
+// grid (ceil(F / block), T), any F.
+extern "C" __global__ void swiglu_bf16_generic(bf16_t* __restrict__ out, const bf16_t* __restrict__ y, int F) {
+    const int t = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= F) return;
+    const bf16_t* row = y + (long long)t * 2 * F;
+    out[(long long)t * F + i] = f32_to_bf16(swiglu_one(bf16_to_f32(row[i]), bf16_to_f32(row[F + i])));
+}
