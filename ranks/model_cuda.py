@@ -11,7 +11,7 @@ have no per-sequence Python, so the whole step can be captured as a CUDA graph (
 and replayed with only the metadata copied in. Steps with longer sequences (prefill chunks) run the
 same program eagerly ("long" steps: the DeviceBatch carries the host batch), with the prefill
 attention kernel over the paged KV, the GDN rule in its chunked form, cuBLAS for the linear layers
-and, for MoE models, the reference router and experts. Verification steps with more than
+and, for MoE models, the routed experts grouped by expert (torch matmuls). Verification steps with more than
 MAX_FAST_COLUMNS columns (never planned by the engine) run the reference layer program. Weights may be quantised on load (FP8 per-row or 128x128 blocks, NVFP4):
 the linear layers of attention, GDN and the MLP; embeddings, lm_head, norms, router, in_proj_a/b and
 conv weights stay 16-bit.
@@ -240,7 +240,7 @@ class CudaHybridModel(HybridModel):
         h = cm.rms_norm(x, w[p + "input_layernorm.weight"], eps)
         y = self._fast_attention(p, h, db, *state.attention_kv(None))
         x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
-        y = self._fast_ffn(p, h) if db.host is None else self._ffn(p, h)
+        y = self._fast_ffn(p, h, long=db.host is not None)
         x, m = cm.add_rms_norm(x, y, w["mtp.norm.weight"], eps)
         return StepOutput(m, self._fast_logits(m, db, logits))
 
@@ -298,7 +298,7 @@ class CudaHybridModel(HybridModel):
             else:
                 y = self._fast_gdn(p, h, db, state, self.gdn_index[i], keep_batch, kept)
             x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
-            y = self._fast_ffn(p, h) if db.host is None else self._ffn(p, h)
+            y = self._fast_ffn(p, h, long=db.host is not None)
             nxt = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < L else w["norm.weight"]
             x, h = cm.add_rms_norm(x, y, nxt, eps)
         return StepOutput(h, self._fast_logits(h, db, logits), kept)
@@ -388,7 +388,9 @@ class CudaHybridModel(HybridModel):
         o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
         return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
 
-    def _fast_ffn(self, p: str, h: Tensor) -> Tensor:
+    def _fast_ffn(self, p: str, h: Tensor, long: bool = False) -> Tensor:
+        """The FFN; long: a prefill step, whose routed experts run grouped by expert (torch matmuls,
+        one host sync) instead of the decode kernels."""
         w = self.w
         p += "mlp."
         if not self.spec.is_moe:
@@ -396,7 +398,8 @@ class CudaHybridModel(HybridModel):
             return self.all_reduce(self._linear(mid, w[p + "down_proj.weight"]))
         router = self._linear(h, w[p + "gate.weight"])
         wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
-        y = cm.moe_experts_decode(h, ids, wts, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
+        experts = cm.moe_experts_prefill if long else cm.moe_experts_decode
+        y = experts(h, ids, wts, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
         return self.all_reduce(self._add_shared_expert(p, h, y))
 
     def _add_shared_expert(self, q: str, h: Tensor, y: Tensor) -> Tensor:
