@@ -13,9 +13,19 @@ Numerics follow kernels/reference.py (causal_conv1d, gdn_gates, gdn_prepare_qk,
 gated_delta_rule_recurrent / _states, gated_rms_norm); only fp32 summation orders differ. Verification
 columns and decode columns run the same instructions, so ``keep_states[lo + a]`` is bit for bit the
 state that decoding the first a+1 columns one at a time leaves.
+
+The gated delta rule has two forms. The recurrent kernel walks a sequence's columns one at a time
+(decode, verification, CUDA graphs: always this one). When the caller passes ``max_columns`` (the
+longest sequence's column count, known on the host for prefill) of at least CHUNKED_MIN_COLUMNS and
+keeps no per-column states, the chunked form runs instead (reference.gated_delta_rule_chunked: a
+parallel kernel prepares every chunk of 64 columns, then a scan takes one step per chunk). It agrees
+with the recurrent form to fp32 rounding, not bit for bit, and needs fp32 scratch of
+HV * (DV + DK + 68) * 4 bytes per column (61 KiB at the 27B shape), allocated per call.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -31,6 +41,14 @@ _REC_WARPS = 4           # warps per block of the recurrent kernel (8 value colu
 _NORM_WARPS = 8
 _REC_KERNELS = {16: "gdn_recurrent_dk16", 32: "gdn_recurrent_dk32", 64: "gdn_recurrent_dk64",
                 128: "gdn_recurrent_dk128", 256: "gdn_recurrent_dk256"}
+
+# The chunked rule from this many columns in the longest sequence (with max_columns given): below a
+# chunk it would be one scan step anyway, and the recurrent kernel needs no scratch.
+CHUNKED_MIN_COLUMNS = 64
+_CHUNK = 64              # GDN_CHUNK in gdn.cu
+_PREP_THREADS = 256      # GDN_PREP_THREADS
+_SCAN_THREADS = 128      # GDN_SCAN_THREADS
+_SCAN_COLS = 16          # GDN_SCAN_COLS: value columns per scan block
 
 
 def _batch(slots: Tensor, cu_seqlens: Tensor, fresh: Tensor) -> int:
@@ -93,7 +111,7 @@ def conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, cu_seql
 def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
                      slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, num_k_heads: int, num_v_heads: int,
                      key_dim: int, value_dim: int, out: Tensor | None = None,
-                     keep_states: Tensor | None = None) -> Tensor:
+                     keep_states: Tensor | None = None, max_columns: int | None = None) -> Tensor:
     """Gates, q/k l2norm and the gated delta rule over every sequence's columns.
 
     y [N, C] bf16 conv output = [q (HK*DK) | k (HK*DK) | v (HV*DV)]; a, b [N, HV] bf16 (in_proj_a/b
@@ -105,6 +123,9 @@ def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Te
     Returns o [N, HV, DV] bf16. The slot's state is updated in place, unless keep_states
     [N, HV, DK, DV] fp32 is given: then the live state is left alone and the state after every
     column is written there (speculative verification).
+    max_columns: the longest sequence's column count (it must not be smaller). Without keep_states and
+    with max_columns >= CHUNKED_MIN_COLUMNS the chunked kernels run (prefill); otherwise, and always
+    when it is None, the recurrent kernel.
     """
     HK, HV, DK, DV = int(num_k_heads), int(num_v_heads), int(key_dim), int(value_dim)
     if HK <= 0 or HV <= 0 or HV % HK:
@@ -113,6 +134,13 @@ def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Te
         raise KernelError(f"key_dim {DK} (per head) not supported; expected one of {sorted(_REC_KERNELS)}")
     if DV <= 0 or DV % 8:
         raise KernelError(f"value_dim {DV} (per head) must be a positive multiple of 8")
+    if max_columns is not None:
+        try:
+            max_columns = operator.index(max_columns)
+        except TypeError:
+            max_columns = -1
+        if max_columns < 0:
+            raise KernelError("max_columns must be a non-negative int (the longest sequence's column count)")
     C = 2 * HK * DK + HV * DV
     check(y, "y", torch.bfloat16, (None, C))
     N = y.shape[0]
@@ -137,14 +165,35 @@ def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Te
     _aligned(out, "out", 8)
     if N == 0 or B == 0:
         return out
+    flags = (1 if A_log.dtype == torch.bfloat16 else 0) | (2 if dt_bias.dtype == torch.bfloat16 else 0)
+    if keep_states is None and max_columns is not None and max_columns >= CHUNKED_MIN_COLUMNS:
+        _chunked_rule(out, state, y, a, b, A_log, dt_bias, flags, slots, cu_seqlens, fresh, N, B, HK, HV, DK, DV,
+                      min(max_columns, N), dev)
+        return out
     groups = DV // 8                                   # warps per value head
     wpb = min(_REC_WARPS, groups)
     grid = (-(-groups // wpb), HV, B)
-    flags = (1 if A_log.dtype == torch.bfloat16 else 0) | (2 if dt_bias.dtype == torch.bfloat16 else 0)
     launch(kernel(_SOURCE, _REC_KERNELS[DK], dev), grid, (32 * wpb,),
            (out, keep_states, state, y, a, b, A_log, dt_bias, flags, slots, cu_seqlens, fresh,
             N, HK, HV, DV, float(DK ** -0.5)), device=dev)
     return out
+
+
+def _chunked_rule(out: Tensor, state: Tensor, y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+                  flags: int, slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, N: int, B: int, HK: int, HV: int,
+                  DK: int, DV: int, longest: int, dev: int) -> None:
+    """The chunked gated delta rule (gdn.cu: gdn_chunk_prep_dkXX, then gdn_chunk_scan_dkXX) through
+    scratch indexed by column: U [N, HV, DV], W [N, HV, DK], QKD [N, HV, 64] and per-column
+    {G, iq, ik, 0} [N, HV, 4], fp32, in one allocation (every section starts 16-byte aligned: DV % 8 == 0
+    and DK % 16 == 0)."""
+    rows = N * HV
+    scratch = torch.empty(rows * (DV + DK + _CHUNK + 4), dtype=torch.float32, device=out.device)
+    U, W, QKD, info = torch.split(scratch, [rows * DV, rows * DK, rows * _CHUNK, rows * 4])
+    scale = float(DK ** -0.5)
+    launch(kernel(_SOURCE, f"gdn_chunk_prep_dk{DK}", dev), (-(-longest // _CHUNK), HK, B), (_PREP_THREADS,),
+           (U, W, QKD, info, y, a, b, A_log, dt_bias, flags, cu_seqlens, N, HK, HV, DV, scale), device=dev)
+    launch(kernel(_SOURCE, f"gdn_chunk_scan_dk{DK}", dev), (-(-DV // _SCAN_COLS), HV, B), (_SCAN_THREADS,),
+           (out, state, U, W, QKD, info, y, slots, cu_seqlens, fresh, N, HK, HV, DV, scale), device=dev)
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:

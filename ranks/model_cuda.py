@@ -384,7 +384,7 @@ class CudaHybridModel(HybridModel):
                       max_columns=max_columns)
         o = cg.gated_delta_rule(y, a, b, w[q + "A_log"], w[q + "dt_bias"], state.recurrent[j], slots, cu_seqlens,
                                 fresh, self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
-                                keep_states=keep_states)
+                                keep_states=keep_states, max_columns=max_columns)
         o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
         return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
 

@@ -1,4 +1,4 @@
-// Gated DeltaNet mixer for decode and speculative verification, batched over sequences.
+// Gated DeltaNet mixer for decode, speculative verification and prefill, batched over sequences.
 //
 // Batch metadata lives on the device: cu_seqlens [B+1] (each sequence's column range lo..hi of the
 // flattened N columns), slots [B] (its state slot; < 0: no slot, the state starts from zeros and is
@@ -14,6 +14,8 @@
 //                       inputs, read back from x), so no other thread touches the slot's window.
 // gdn_recurrent_dkXX    gates, q/k l2norm and the gated delta rule, fp32 state in registers across the
 //                       sequence's columns. See the layout note above gdn_recurrent_body.
+// gdn_chunk_prep_dkXX, gdn_chunk_scan_dkXX   the same rule in chunks of 64 columns for prefill (one
+//                       sequential step per chunk); see the note above gdn_chunk_prep_body.
 // gdn_gated_rms_norm_bf16  the GDN output norm (kernels/reference.gated_rms_norm), one warp per head row.
 #include "common.cuh"
 
@@ -383,3 +385,464 @@ gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, 
         *reinterpret_cast<uint2*>(orow + e) = pk;
     }
 }
+
+// --------------------------------------------------------------------------------------------------
+// Gated delta rule, chunked form (prefill: sequences of many columns). Same batch metadata contract
+// as the recurrent kernel (fresh / negative slots start from zeros, a negative slot is never
+// written, empty or out-of-range sequences are skipped), same gate and q/k l2norm formulas; the
+// rule is reorganised as kernels/reference.gated_delta_rule_chunked so that the sequential part is
+// one step per chunk of 64 columns instead of one per column. Chunk c of a sequence covers its
+// columns lo + 64c .. min(lo + 64c + 64, hi) - 1; a last partial chunk of L < 64 columns behaves as
+// if padded with columns of beta = 0, g = 0 (rows >= L of every chunk matrix are zero), so
+// sequences of any length share one layout with no padding in memory. All maths fp32 on CUDA cores.
+//
+// Two kernels, through scratch indexed by column n (absolute, 0..N-1) and value head h:
+//   U [N, HV, DV], W [N, HV, DK], QKD [N, HV, 64], info [N, HV] float4 {G, iq, ik, 0}.
+//
+// gdn_chunk_prep_dkXX   grid (chunks of the longest sequence, HK, B), 256 threads. One block per
+//   (chunk, key head, sequence): the q/k norms (iq, ik = rsqrt(|x|^2 + 1e-6), as the recurrent
+//   kernel) and the Gram products k k^T and q k^T (q = (q iq) DK^-0.5, k = k ik; 64 x 64, DK
+//   staged through shared tiles of 32, each thread a 4 x 4 block of rows ti + 16r, columns
+//   tj + 16s) are per key head, so the block computes them once and then loops over the HV/HK value
+//   heads that read this key head. Per value head: gates g, beta (the recurrent kernel's formulas),
+//   G = in-chunk cumulative sum of g (sequential, as torch.cumsum), D_ij = exp(G_i - G_j) (j <= i:
+//   the exponent is <= 0, so nothing overflows however strong the decay),
+//     A = strict_lower(beta_i (k_i . k_j) D_ij)  -> shared [64][64]
+//     QKD = lower((q_i . k_j) D_ij)             -> scratch, zeros above the diagonal
+//   and (I + A) X = [beta v | (k beta) e^G] by forward substitution: one thread per column of X
+//   (DV + DK columns), its 64 rows in registers, rows in order; A_ij is the same shared word for
+//   every thread (broadcast), so no barrier is needed inside the solve. U = X[:, :DV], W = X[:, DV:].
+//   k k^T waits in shared memory (thread-major, conflict-free) and q k^T in registers while the value
+//   heads are solved (two blocks per SM: <= 128 registers, ~34 KiB shared). The 64 x 64 reads of A
+//   are the same for every column a thread solves; an opaque zero in their address keeps the compiler
+//   from hoisting them out of the column loop (it would spill them all).
+//
+// gdn_chunk_scan_dkXX   grid (ceil(DV/16), HV, B), 128 threads. A block owns a 16-column slice of one
+//   value head's state [DK x 16] (fp32, in shared memory for the products that read all of it, and
+//   in the registers of the thread that updates it). Per chunk, in order:
+//     V' = U - W S;  O = (q e^G) S + QKD V';  S <- e^{G_last} S + (k e^{G_last - G})^T V'
+//   Rows (V', O): thread = (row ri = tid/2, 8 columns); the DK-long products stream the W row and the
+//   bf16 q row from global memory (the slices of a value head share W rows, the value heads of a key
+//   head share q rows: mostly L1/L2 hits) against broadcast reads of S. Update: thread = (state row
+//   cd + 64m, 8 columns), k read from the conv output (a warp reads 32 consecutive bf16 of a row).
+//   The per-row factors {e^G, e^(G_last - G), iq, ik} are staged per chunk in a double buffer, so a
+//   chunk takes two barriers: before the rows (S, V' and factors ready) and between the rows' V' and
+//   O/update. O is written as bf16; the final S to the slot. 16 columns per block: at the 27B shape
+//   one sequence makes 384 blocks (~3 per SM), and a narrower slice would re-read W and q more often.
+//   Launch bounds (128, 4): without a block count ptxas aimed at ~80 registers and spilled.
+
+#define GDN_CHUNK 64            // columns per chunk
+#define GDN_PREP_THREADS 256
+#define GDN_SCAN_THREADS 128
+#define GDN_SCAN_COLS 16        // value columns of one scan block (two groups of 8)
+
+template <int DK>
+__device__ __forceinline__ void gdn_chunk_prep_body(
+    float* __restrict__ U,             // [N, HV, DV]
+    float* __restrict__ W,             // [N, HV, DK]
+    float* __restrict__ QKD,           // [N, HV, 64]
+    float4* __restrict__ info,         // [N, HV] {G, iq, ik, 0}
+    const bf16_t* __restrict__ y,      // [N, C] = [q (HK*DK) | k (HK*DK) | v (HV*DV)]
+    const bf16_t* __restrict__ a, const bf16_t* __restrict__ b,        // [N, HV]
+    const void* __restrict__ A_log, const void* __restrict__ dt_bias,  // [HV] fp32 or bf16 (flags bit 0 / 1)
+    int flags, const int* __restrict__ cu_seqlens, int N, int HK, int HV, int DV, float scale)
+{
+    constexpr int TK = DK < 32 ? DK : 32;              // DK tile of the Gram products
+    constexpr int TS = TK + 1;                         // odd row pitch: the 16 column reads hit 16 banks
+    constexpr int MAT = 2 * GDN_CHUNK * TS > GDN_CHUNK * GDN_CHUNK ? 2 * GDN_CHUNK * TS : GDN_CHUNK * GDN_CHUNK;
+    __shared__ float s_kk[16 * GDN_PREP_THREADS];      // k k^T: this thread's element e at [e * 256 + tid]
+    __shared__ __align__(16) float s_mat[MAT];         // q/k tiles [2][64][TS], then A [64][64]
+    __shared__ float s_iq[GDN_CHUNK], s_ik[GDN_CHUNK], s_beta[GDN_CHUNK], s_G[GDN_CHUNK], s_eG[GDN_CHUNK];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hk = blockIdx.y, bseq = blockIdx.z;
+    const int lo = cu_seqlens[bseq], hi = cu_seqlens[bseq + 1];
+    if (lo < 0 || hi > N || hi <= lo) return;                                  // block-uniform
+    if (blockIdx.x >= (unsigned)((hi - lo + GDN_CHUNK - 1) / GDN_CHUNK)) return;
+    const int t0 = lo + blockIdx.x * GDN_CHUNK;
+    const int L = min(GDN_CHUNK, hi - t0);                                     // 1..64 valid rows
+    const int ratio = HV / HK;
+    const i64_t C = (i64_t)2 * HK * DK + (i64_t)HV * DV;
+    const bf16_t* yq = y + (i64_t)t0 * C + (i64_t)hk * DK;                    // row i: + i * C
+    const bf16_t* yk = yq + (i64_t)HK * DK;
+
+    // q/k norms: 128 rows (column i, q or k), a warp per row; rows >= L get 0 (zero q, k).
+    for (int r = warp; r < 2 * GDN_CHUNK; r += GDN_PREP_THREADS / 32) {
+        const int i = r >> 1;
+        float ss = 0.f;
+        if (i < L) {                                                           // warp-uniform
+            const unsigned* p = reinterpret_cast<const unsigned*>(((r & 1) ? yk : yq) + (i64_t)i * C);
+            for (int w = lane; w < DK / 2; w += 32) {
+                const float2 f = bf16x2_to_f32x2(p[w]);
+                ss = fmaf(f.x, f.x, ss);
+                ss = fmaf(f.y, f.y, ss);
+            }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) ((r & 1) ? s_ik : s_iq)[i] = i < L ? rsqrtf(__fadd_rn(ss, 1e-6f)) : 0.f;
+    }
+
+    // Gram products over DK tiles: kk = k k^T, qk = q k^T for rows ti + 16r, columns tj + 16s.
+    const int ti = tid >> 4, tj = tid & 15;
+    float kk[4][4], qk[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) kk[r][s] = qk[r][s] = 0.f;
+    float* tq = s_mat;
+    float* tk = s_mat + GDN_CHUNK * TS;
+    for (int d0 = 0; d0 < DK; d0 += TK) {
+        __syncthreads();                               // norms written / the previous tile consumed
+        for (int idx = tid; idx < 2 * GDN_CHUNK * (TK / 2); idx += GDN_PREP_THREADS) {
+            const int which = idx / (GDN_CHUNK * (TK / 2));                    // 0: q, 1: k
+            const int rem = idx - which * (GDN_CHUNK * (TK / 2));
+            const int i = rem / (TK / 2), w = rem - i * (TK / 2);
+            float2 f = make_float2(0.f, 0.f);
+            if (i < L) {
+                f = bf16x2_to_f32x2(reinterpret_cast<const unsigned*>((which ? yk : yq) + (i64_t)i * C + d0)[w]);
+                if (which) {
+                    const float r = s_ik[i];
+                    f.x = __fmul_rn(f.x, r);
+                    f.y = __fmul_rn(f.y, r);
+                } else {
+                    const float r = s_iq[i];
+                    f.x = __fmul_rn(__fmul_rn(f.x, r), scale);
+                    f.y = __fmul_rn(__fmul_rn(f.y, r), scale);
+                }
+            }
+            float* dst = (which ? tk : tq) + i * TS + 2 * w;
+            dst[0] = f.x;
+            dst[1] = f.y;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int dd = 0; dd < TK; ++dd) {
+            float kr[4], qr[4], kc[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                kr[r] = tk[(ti + 16 * r) * TS + dd];
+                qr[r] = tq[(ti + 16 * r) * TS + dd];
+                kc[r] = tk[(tj + 16 * r) * TS + dd];
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    kk[r][s] = fmaf(kr[r], kc[s], kk[r][s]);
+                    qk[r][s] = fmaf(qr[r], kc[s], qk[r][s]);
+                }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 16; ++e) s_kk[e * GDN_PREP_THREADS + tid] = kk[e >> 2][e & 3];
+
+    const bf16_t* yv0 = y + (i64_t)t0 * C + (i64_t)2 * HK * DK;
+    for (int jh = 0; jh < ratio; ++jh) {
+        const int h = hk * ratio + jh;
+        __syncthreads();                               // tiles / the previous head's A and gates consumed
+
+        // gates of this value head; G = sequential in-chunk cumulative sum (rows >= L: g = 0, beta = 0)
+        if (warp == 0) {
+            const float negA = -expf(gdn_param(A_log, flags & 1, h));
+            const float dtb = gdn_param(dt_bias, flags & 2, h);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = lane + 32 * e;
+                float g = 0.f, beta = 0.f;
+                if (i < L) {
+                    const i64_t n = (i64_t)(t0 + i) * HV + h;
+                    g = __fmul_rn(negA, gdn_softplus(__fadd_rn(bf16_to_f32(a[n]), dtb)));
+                    beta = gdn_round_bf16(gdn_sigmoid(bf16_to_f32(b[n])));
+                }
+                s_G[i] = g;
+                s_beta[i] = beta;
+            }
+            __syncwarp();
+            if (lane == 0) {
+                float acc = 0.f;
+#pragma unroll 8
+                for (int i = 0; i < GDN_CHUNK; ++i) {
+                    acc = __fadd_rn(acc, s_G[i]);
+                    s_G[i] = acc;
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = lane + 32 * e;
+                const float G = s_G[i];
+                s_eG[i] = expf(G);
+                if (i < L) info[(i64_t)(t0 + i) * HV + h] = make_float4(G, s_iq[i], s_ik[i], 0.f);
+            }
+        }
+        __syncthreads();
+
+        // A (shared) and QKD (scratch) from this thread's 4 x 4 block
+        {
+            float* sA = s_mat;
+            float* qkd = QKD + ((i64_t)t0 * HV + h) * GDN_CHUNK;               // row i: + i * HV * 64
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int ri = ti + 16 * r;
+                const float Gi = s_G[ri], bi = s_beta[ri];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    const int cj = tj + 16 * s;
+                    const float D = cj <= ri ? expf(__fsub_rn(Gi, s_G[cj])) : 0.f;
+                    sA[ri * GDN_CHUNK + cj] =
+                        cj < ri ? __fmul_rn(__fmul_rn(bi, s_kk[(4 * r + s) * GDN_PREP_THREADS + tid]), D) : 0.f;
+                    if (ri < L) qkd[(i64_t)ri * HV * GDN_CHUNK + cj] = cj <= ri ? __fmul_rn(qk[r][s], D) : 0.f;
+                }
+            }
+        }
+        __syncthreads();
+
+        // (I + A) X = [beta v | (k beta) e^G], one thread per column of X, rows in order
+        for (int col = tid; col < DV + DK; col += GDN_PREP_THREADS) {
+            // An opaque zero offset: A is the same for every column, and without it the compiler
+            // hoists all 64 x 64 shared reads out of this loop into (spilled) registers.
+            unsigned zero_off;
+            asm volatile("mov.u32 %0, 0;" : "=r"(zero_off));
+            const float4* sA4 = reinterpret_cast<const float4*>(s_mat) + zero_off;
+            const bool isv = col < DV;
+            const bf16_t* src = isv ? yv0 + (i64_t)h * DV + col : yk + (col - DV);
+            float x[GDN_CHUNK];
+#pragma unroll
+            for (int i = 0; i < GDN_CHUNK; ++i) {
+                float rhs = 0.f;
+                if (i < L) {
+                    const float raw = bf16_to_f32(src[(i64_t)i * C]);
+                    rhs = isv ? __fmul_rn(s_beta[i], raw)
+                              : __fmul_rn(__fmul_rn(__fmul_rn(raw, s_ik[i]), s_beta[i]), s_eG[i]);
+                }
+                x[i] = rhs;
+            }
+#pragma unroll
+            for (int i = 1; i < GDN_CHUNK; ++i) {
+                if (i < L) {                            // block-uniform; rows >= L stay 0
+                    float s0 = x[i], s1 = 0.f;          // two chains for latency
+#pragma unroll
+                    for (int j4 = 0; j4 < i; j4 += 4) {
+                        const float4 a4 = sA4[i * (GDN_CHUNK / 4) + j4 / 4];
+                        s0 = fmaf(-a4.x, x[j4], s0);
+                        if (j4 + 1 < i) s1 = fmaf(-a4.y, x[j4 + 1], s1);
+                        if (j4 + 2 < i) s0 = fmaf(-a4.z, x[j4 + 2], s0);
+                        if (j4 + 3 < i) s1 = fmaf(-a4.w, x[j4 + 3], s1);
+                    }
+                    x[i] = __fadd_rn(s0, s1);
+                }
+            }
+            float* dst = isv ? U + ((i64_t)t0 * HV + h) * DV + col : W + ((i64_t)t0 * HV + h) * DK + (col - DV);
+            const i64_t stride = isv ? (i64_t)HV * DV : (i64_t)HV * DK;
+#pragma unroll
+            for (int i = 0; i < GDN_CHUNK; ++i)
+                if (i < L) dst[i * stride] = x[i];
+        }
+    }
+}
+
+template <int DK>
+__device__ __forceinline__ void gdn_chunk_scan_body(
+    bf16_t* __restrict__ out,          // [N, HV, DV]
+    float* __restrict__ state,         // [S, HV, DK, DV]
+    const float* __restrict__ U, const float* __restrict__ W, const float* __restrict__ QKD,
+    const float4* __restrict__ info, const bf16_t* __restrict__ y,
+    const int* __restrict__ slots, const int* __restrict__ cu_seqlens, const int* __restrict__ fresh,
+    int N, int HK, int HV, int DV, float scale)
+{
+    constexpr int MR = (DK + 63) / 64;                 // state rows per thread in the update: cd + 64m
+    __shared__ __align__(16) float s_S[DK * GDN_SCAN_COLS];         // S slice [DK][16]
+    __shared__ __align__(16) float s_V[GDN_CHUNK * GDN_SCAN_COLS];  // V' [64][16]
+    __shared__ float4 s_fac[2][GDN_CHUNK];             // per row {e^G, e^(G_last - G), iq, ik}
+    __shared__ float s_last[2];                        // e^G_last
+    float4* sS4 = reinterpret_cast<float4*>(s_S);
+    float4* sV4 = reinterpret_cast<float4*>(s_V);
+
+    const int tid = threadIdx.x;
+    const int h = blockIdx.y, bseq = blockIdx.z;
+    const int vb = blockIdx.x * GDN_SCAN_COLS;
+    const int lo = cu_seqlens[bseq], hi = cu_seqlens[bseq + 1];
+    if (lo < 0 || hi > N || hi <= lo) return;                                  // block-uniform
+    const int hk = h / (HV / HK);
+    const i64_t C = (i64_t)2 * HK * DK + (i64_t)HV * DV;
+    const int slot = slots[bseq];
+    const bool zero = fresh[bseq] != 0 || slot < 0;
+
+    // update role: state rows cd + 64m, columns cv .. cv+7 (group cg of the slice)
+    const int cd = tid & 63, cg = tid >> 6;
+    const int cv = vb + cg * 8;
+    const bool cvalid = cv < DV;                       // DV % 8 == 0: a group is all in or all out
+    float* sp = state + ((i64_t)(slot < 0 ? 0 : slot) * HV + h) * DK * DV + cv;
+    float S[MR][8];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+        const int d = cd + 64 * m;
+        float4 f0 = make_float4(0.f, 0.f, 0.f, 0.f), f1 = f0;
+        if (cvalid && d < DK && !zero) {
+            f0 = *reinterpret_cast<const float4*>(sp + (i64_t)d * DV);
+            f1 = *reinterpret_cast<const float4*>(sp + (i64_t)d * DV + 4);
+        }
+        S[m][0] = f0.x; S[m][1] = f0.y; S[m][2] = f0.z; S[m][3] = f0.w;
+        S[m][4] = f1.x; S[m][5] = f1.y; S[m][6] = f1.z; S[m][7] = f1.w;
+        if (d < DK) {
+            sS4[d * 4 + cg * 2] = f0;
+            sS4[d * 4 + cg * 2 + 1] = f1;
+        }
+    }
+
+    // row role: chunk row ri, columns rv .. rv+7 (group rg of the slice)
+    const int ri = tid >> 1, rg = tid & 1;
+    const int rv = vb + rg * 8;
+    const bool rvalid = rv < DV;
+
+    const int nch = (hi - lo + GDN_CHUNK - 1) / GDN_CHUNK;
+    for (int c = 0; c < nch; ++c) {
+        const int t0 = lo + c * GDN_CHUNK, L = min(GDN_CHUNK, hi - t0), buf = c & 1;
+        // The factor buffer written here was last read by chunk c-2's update, before chunk c-1's first
+        // barrier.
+        if (tid < GDN_CHUNK) {
+            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (tid < L) {
+                const float4 inf = info[(i64_t)(t0 + tid) * HV + h];
+                const float Gl = info[(i64_t)(t0 + L - 1) * HV + h].x;
+                f = make_float4(expf(inf.x), expf(__fsub_rn(Gl, inf.x)), inf.y, inf.z);
+                if (tid == L - 1) s_last[buf] = expf(Gl);
+            }
+            s_fac[buf][tid] = f;
+        }
+        __syncthreads();                               // S (previous update), factors ready; V' free
+
+        // rows: V' = U - W S and the first term of O, (q e^G) S
+        float vn[8], o[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vn[j] = o[j] = 0.f;
+        if (ri < L && rvalid) {
+            const float4 fa = s_fac[buf][ri];
+            const i64_t n = (i64_t)(t0 + ri);
+            const float4* wr = reinterpret_cast<const float4*>(W + (n * HV + h) * DK);
+            const uint2* qr = reinterpret_cast<const uint2*>(y + n * C + (i64_t)hk * DK);
+            float ws[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ws[j] = 0.f;
+#pragma unroll 2
+            for (int d4 = 0; d4 < DK / 4; ++d4) {
+                const float4 w4 = wr[d4];
+                const uint2 qw = qr[d4];
+                const float2 q01 = bf16x2_to_f32x2(qw.x), q23 = bf16x2_to_f32x2(qw.y);
+                const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+                const float qv[4] = {q01.x, q01.y, q23.x, q23.y};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float qg = __fmul_rn(__fmul_rn(__fmul_rn(qv[e], fa.z), scale), fa.x);
+                    const float4 s0 = sS4[(4 * d4 + e) * 4 + rg * 2], s1 = sS4[(4 * d4 + e) * 4 + rg * 2 + 1];
+                    const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        ws[j] = fmaf(wv[e], sv[j], ws[j]);
+                        o[j] = fmaf(qg, sv[j], o[j]);
+                    }
+                }
+            }
+            const float4* ur = reinterpret_cast<const float4*>(U + (n * HV + h) * DV + rv);
+            const float4 u0 = ur[0], u1 = ur[1];
+            const float uv[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) vn[j] = __fsub_rn(uv[j], ws[j]);
+        }
+        sV4[ri * 4 + rg * 2] = make_float4(vn[0], vn[1], vn[2], vn[3]);        // rows >= L: zeros
+        sV4[ri * 4 + rg * 2 + 1] = make_float4(vn[4], vn[5], vn[6], vn[7]);
+        __syncthreads();                               // V' ready; S no longer read by the rows
+
+        // rows: O += QKD V' (QKD row ri is zero past ri), written as bf16
+        if (ri < L && rvalid) {
+            const i64_t n = (i64_t)(t0 + ri);
+            const float4* qd = reinterpret_cast<const float4*>(QKD + (n * HV + h) * GDN_CHUNK);
+            for (int j4 = 0; j4 <= (ri >> 2); ++j4) {
+                const float4 a4 = qd[j4];
+                const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float4 v0 = sV4[(4 * j4 + e) * 4 + rg * 2], v1 = sV4[(4 * j4 + e) * 4 + rg * 2 + 1];
+                    const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) o[j] = fmaf(av[e], vv[j], o[j]);
+                }
+            }
+            uint2 p0, p1;
+            p0.x = (unsigned)f32_to_bf16(o[0]) | ((unsigned)f32_to_bf16(o[1]) << 16);
+            p0.y = (unsigned)f32_to_bf16(o[2]) | ((unsigned)f32_to_bf16(o[3]) << 16);
+            p1.x = (unsigned)f32_to_bf16(o[4]) | ((unsigned)f32_to_bf16(o[5]) << 16);
+            p1.y = (unsigned)f32_to_bf16(o[6]) | ((unsigned)f32_to_bf16(o[7]) << 16);
+            uint2* op = reinterpret_cast<uint2*>(out + (n * HV + h) * DV + rv);
+            op[0] = p0;
+            op[1] = p1;
+        }
+
+        // update: S <- e^{G_last} S + sum_i (k_i e^(G_last - G_i)) V'_i
+        if (cvalid) {
+            const float last = s_last[buf];
+#pragma unroll
+            for (int m = 0; m < MR; ++m)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) S[m][j] = __fmul_rn(S[m][j], last);
+            const bf16_t* kc = y + (i64_t)t0 * C + (i64_t)HK * DK + (i64_t)hk * DK + cd;
+#pragma unroll 4
+            for (int i = 0; i < L; ++i) {
+                const float4 f = s_fac[buf][i];
+                const float4 v0 = sV4[i * 4 + cg * 2], v1 = sV4[i * 4 + cg * 2 + 1];
+                const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+                for (int m = 0; m < MR; ++m) {
+                    if (cd + 64 * m < DK) {
+                        const float kg = __fmul_rn(__fmul_rn(bf16_to_f32(kc[(i64_t)i * C + 64 * m]), f.w), f.y);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) S[m][j] = fmaf(kg, vv[j], S[m][j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                const int d = cd + 64 * m;
+                if (d < DK) {
+                    sS4[d * 4 + cg * 2] = make_float4(S[m][0], S[m][1], S[m][2], S[m][3]);
+                    sS4[d * 4 + cg * 2 + 1] = make_float4(S[m][4], S[m][5], S[m][6], S[m][7]);
+                }
+            }
+        }
+    }
+
+    if (slot >= 0 && cvalid) {
+#pragma unroll
+        for (int m = 0; m < MR; ++m) {
+            const int d = cd + 64 * m;
+            if (d < DK) {
+                *reinterpret_cast<float4*>(sp + (i64_t)d * DV) = make_float4(S[m][0], S[m][1], S[m][2], S[m][3]);
+                *reinterpret_cast<float4*>(sp + (i64_t)d * DV + 4) = make_float4(S[m][4], S[m][5], S[m][6], S[m][7]);
+            }
+        }
+    }
+}
+
+#define GDN_CHUNK_KERNELS(DK)                                                                           \
+    extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2) gdn_chunk_prep_dk##DK(            \
+        float* __restrict__ U, float* __restrict__ W, float* __restrict__ QKD, float4* __restrict__ info, \
+        const bf16_t* __restrict__ y, const bf16_t* __restrict__ a, const bf16_t* __restrict__ b,       \
+        const void* __restrict__ A_log, const void* __restrict__ dt_bias, int flags,                    \
+        const int* __restrict__ cu_seqlens, int N, int HK, int HV, int DV, float scale) {               \
+        gdn_chunk_prep_body<DK>(U, W, QKD, info, y, a, b, A_log, dt_bias, flags, cu_seqlens, N, HK, HV,  \
+                                DV, scale);                                                             \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDN_SCAN_THREADS, 4) gdn_chunk_scan_dk##DK(               \
+        bf16_t* __restrict__ out, float* __restrict__ state, const float* __restrict__ U,               \
+        const float* __restrict__ W, const float* __restrict__ QKD, const float4* __restrict__ info,    \
+        const bf16_t* __restrict__ y, const int* __restrict__ slots, const int* __restrict__ cu_seqlens, \
+        const int* __restrict__ fresh, int N, int HK, int HV, int DV, float scale) {                    \
+        gdn_chunk_scan_body<DK>(out, state, U, W, QKD, info, y, slots, cu_seqlens, fresh, N, HK, HV, DV, \
+                                scale);                                                                 \
+    }
+
+GDN_CHUNK_KERNELS(16)
+GDN_CHUNK_KERNELS(32)
+GDN_CHUNK_KERNELS(64)
+GDN_CHUNK_KERNELS(128)
+GDN_CHUNK_KERNELS(256)
