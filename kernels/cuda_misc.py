@@ -279,13 +279,40 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
     return out
 
 
+_GROUPED_MM: dict[str, bool] = {}
+
+
+def _grouped_mm_works(device: torch.device) -> bool:
+    """Whether torch._grouped_mm runs bf16 on this device (tried once per device with a tiny case
+    against per-group matmuls)."""
+    key = str(device)
+    if key not in _GROUPED_MM:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.arange(1, 3 * 16 + 1, device=device, dtype=torch.float32).view(3, 16).div(64).to(BF16)
+                b = torch.arange(2 * 16 * 16, device=device, dtype=torch.float32).view(2, 16, 16).div(512).to(BF16)
+                offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
+                y = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                want = torch.cat([a[:1] @ b[0].T, a[1:] @ b[1].T])
+                ok = bool(torch.equal(y, want))
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
+
+
 def moe_experts_prefill(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                         out: Tensor | None = None) -> Tensor:
-    """Routed experts for large batches, grouped by expert with torch matmuls.
+    """Routed experts for large batches, grouped by expert.
 
-    NOT capturable in a CUDA graph: it reads the per-expert token counts on the host (one sync).
-    Same shapes as moe_experts_decode; the slots are summed in fp32 with one bf16 rounding.
-    Ids must be in [0, X) (checked on the host here)."""
+    The (token, slot) pairs are sorted by expert and run as two grouped matmuls (torch._grouped_mm:
+    one launch for every expert's gate|up, one for every down, offsets on the device) with the SwiGLU
+    kernel between them; where the grouped matmul is unavailable (older torch, or GPUs it does not
+    support: it is tried once per device) a loop of per-expert matmuls that reads the per-expert token
+    counts on the host. NOT capturable in a CUDA graph (the id range check syncs). Same shapes as
+    moe_experts_decode; each expert's output is rounded to bf16 as F.linear does, and the slots are
+    summed in fp32 with one bf16 rounding. Ids must be in [0, X) (checked on the host here)."""
     N, E, A, X, I = _check_experts(x, ids, weights, gate_up, down)
     if out is None:
         out = torch.empty(N, E, dtype=BF16, device=x.device)
@@ -298,9 +325,17 @@ def moe_experts_prefill(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor
     if bool(((flat < 0) | (flat >= X)).any()):                  # host sync (prefill only)
         raise KernelError(f"ids: expert ids outside [0, {X})")
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=X).tolist()         # host sync
     w = weights.reshape(-1).float()
     acc = torch.zeros(N, E, dtype=torch.float32, device=x.device)
+    if _grouped_mm_works(x.device):
+        offs = torch.cumsum(torch.bincount(flat, minlength=X), 0, dtype=torch.int32)
+        tok = order // A
+        h = swiglu(torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs))       # [N*A, I]
+        y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)                       # [N*A, E]
+        acc.index_add_(0, tok, y.float() * w[order, None])
+        out.copy_(acc)
+        return out
+    counts = torch.bincount(flat, minlength=X).tolist()         # host sync
     start = 0
     for e, c in enumerate(counts):
         if c == 0:

@@ -284,9 +284,16 @@ def test_moe_experts_decode(N, E, X, A, I, seed):
     assert rel(got64, want) <= 1e-2
 
 
-@pytest.mark.parametrize("N,E,X,A,I", [(100, 2048, 256, 8, 512), (33, 40, 8, 2, 32)], ids=lambda v: str(v))
-def test_moe_experts_prefill(N, E, X, A, I, seed):
+@pytest.mark.parametrize("N,E,X,A,I", [(100, 2048, 256, 8, 512), (2048, 2048, 256, 8, 256), (33, 40, 8, 2, 32)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+def test_moe_experts_prefill(N, E, X, A, I, grouped, seed, monkeypatch):
+    """Both routes (the grouped matmul where this GPU supports it, and the per-expert loop)."""
     cm = _cm()
+    if grouped and not cm._grouped_mm_works(torch.device("cuda")):
+        pytest.skip("torch._grouped_mm does not run bf16 on this GPU")
+    monkeypatch.setitem(cm._GROUPED_MM, "cuda", grouped)
+    monkeypatch.setitem(cm._GROUPED_MM, str(torch.device("cuda", torch.cuda.current_device())), grouped)
     g = _gen(seed)
     x, ids, weights, gate_up, down = _experts_inputs(N, E, X, A, I, g, ids_dtype=torch.int64)
     want = ref.moe_experts(x, ids, weights, gate_up, down)
