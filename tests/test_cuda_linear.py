@@ -70,9 +70,15 @@ def _x(T, I, seed):
     return torch.randn(T, I, device="cuda", generator=_gen(seed + 1)).to(torch.bfloat16)
 
 
-def _check(got, want):
+def _check(got, want, scale=None):
+    """Relative error <= 1e-2, relative to ||want|| or to `scale` (the size of the terms a result is
+    the sum of, where their cancellation would blow up an allowed rounding: a residual add)."""
     assert not torch.isnan(got).any(), "NaN in the output (unwritten poison?)"
-    assert rel(got, want) <= 1e-2, rel(got, want)
+    if scale is None:
+        assert rel(got, want) <= 1e-2, rel(got, want)
+    else:
+        err = float((got.float() - want.float()).norm() / scale)
+        assert err <= 1e-2, err
 
 
 def _run_linear(kind, O, I, T, seed, residual=False):
@@ -119,8 +125,12 @@ def test_residual_in_place(seed):
 
 
 def _swiglu_want(x, wf):
+    """The epilogue's contract, bf16(bf16(silu(bf16(gate))) * bf16(up)), on fp32 products (without
+    the roundings, a single-element output can be off by four bf16 roundings, ~1.5%)."""
     Fh = wf.shape[0] // 2
-    return F.silu(ref.linear(x.float(), wf[:Fh])) * ref.linear(x.float(), wf[Fh:])
+    gate = ref.linear(x.float(), wf[:Fh]).bfloat16().float()
+    up = ref.linear(x.float(), wf[Fh:]).bfloat16().float()
+    return F.silu(gate).bfloat16().float() * up
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -226,14 +236,18 @@ def _linear_vs_reference(w, wf, T, seed, mode):
     else:
         out = torch.full((T, O), float("nan"), dtype=torch.bfloat16, device="cuda")
         want = ref.linear(x.float(), wf)
+        scale = None
         if mode == 1:
+            # bf16(residual + bf16(y)): y's rounding is part of the contract, and where residual and y
+            # cancel it is large next to the sum, so the bound is relative to the terms' size
             res = torch.randn(T, O, device="cuda", generator=_gen(seed + 2)).to(torch.bfloat16)
+            scale = float(res.float().norm() + want.norm())
             want = res.float() + want
             got = linear(x, w, out=out, residual=res)
         else:
             got = linear(x, w, out=out)
     assert got is out
-    _check(got, want)
+    _check(got, want, scale)
 
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)
