@@ -203,6 +203,16 @@ def _gate(gate: torch.Tensor, N: int, H: int, D: int) -> tuple[torch.Tensor, int
     return gate, s0, s1
 
 
+
+def _gated_out(out: torch.Tensor | None, N: int, H: int, D: int, device) -> torch.Tensor:
+    """The gated output [N, H*D] bf16 (16-byte aligned): `out` checked, or a new tensor."""
+    if out is None:
+        out = torch.empty(N, H * D, dtype=torch.bfloat16, device=device)
+    check(out, "out", torch.bfloat16, (N, H * D))
+    if not _aligned(out):
+        raise KernelError("out must be 16-byte aligned")
+    return out
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
                      positions: torch.Tensor, seq_of_col: torch.Tensor, scale: float, gate: torch.Tensor,
                      out: torch.Tensor | None = None, max_len_hint: int | None = None,
@@ -229,11 +239,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         raise KernelError("q must be 16-byte aligned")
     _meta(positions, seq_of_col, page_tables, N)
     gate, gs0, gs1 = _gate(gate, N, H, D)
-    if out is None:
-        out = torch.empty(N, H * D, dtype=torch.bfloat16, device=q.device)
-    check(out, "out", torch.bfloat16, (N, H * D))
-    if not _aligned(out):
-        raise KernelError("out must be 16-byte aligned")
+    out = _gated_out(out, N, H, D, q.device)
     if N == 0:
         return out
 
@@ -455,11 +461,7 @@ def prefill_attention_batched(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         raise KernelError(f"max_len {max_len}: need 1 <= max_len <= {page_tables.shape[1] * PAGE_SIZE} "
                           f"(page table width * {PAGE_SIZE})")
     gate, gs0, gs1 = _gate(gate, N, H, D)
-    if out is None:
-        out = torch.empty(N, H * D, dtype=torch.bfloat16, device=q.device)
-    check(out, "out", torch.bfloat16, (N, H * D))
-    if not _aligned(out):
-        raise KernelError("out must be 16-byte aligned")
+    out = _gated_out(out, N, H, D, q.device)
     if N == 0:
         return out
 

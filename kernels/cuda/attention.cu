@@ -27,14 +27,6 @@
 #define ATT_PAGE_SHIFT 6
 #define ATT_NEG_INF (__int_as_float(0xff800000))
 
-__device__ __forceinline__ float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-__device__ __forceinline__ float fast_exp2(float x) {     // ex2.approx: 2^-inf = 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 __device__ __forceinline__ void unpack8(const uint4 r, float* f) {
     float2 a = bf16x2_to_f32x2(r.x), b = bf16x2_to_f32x2(r.y), c = bf16x2_to_f32x2(r.z), d = bf16x2_to_f32x2(r.w);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
@@ -50,13 +42,6 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
     return r;
 }
 
-// torch: sigmoid in fp32 (accurate exp), rounded to bf16; then bf16 * bf16 rounded to bf16. The
-// division is the 2-ulp one (the IEEE one's slow-path call makes ptxas spill); bf16 rounding hides it.
-__device__ __forceinline__ float gated(float attn, float gate) {
-    const float a = bf16_round(attn);
-    const float s = bf16_round(__fdividef(1.f, 1.f + expf(-gate)));
-    return a * s;                                 // exact in fp32 (8-bit x 8-bit mantissas); caller rounds
-}
 
 // --------------------------------------------------------------------------------------------------
 // q/k norm + partial rope + paged KV write. grid (N), block 256 (8 warps); D % 8 == 0, D <= 512,

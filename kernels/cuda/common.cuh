@@ -69,3 +69,43 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     float t = lane < nwarps ? scratch[lane] : 0.f;
     return warp_sum(t);
 }
+
+__device__ __forceinline__ float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+__device__ __forceinline__ float fast_exp2(float x) {     // ex2.approx: 2^-inf = 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The attention output gate (decode and prefill kernels): torch's sigmoid in fp32 (accurate exp),
+// rounded to bf16, times bf16(attn). The division is the 2-ulp one (the IEEE one's slow-path call
+// makes ptxas spill); bf16 rounding hides it.
+__device__ __forceinline__ float gated(float attn, float gate) {
+    const float a = bf16_round(attn);
+    const float s = bf16_round(__fdividef(1.f, 1.f + expf(-gate)));
+    return a * s;                                 // exact in fp32 (8-bit x 8-bit mantissas); caller rounds
+}
+
+// cp.async (sm_80+): global -> shared copies that need no registers while in flight.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, bypassing L1; n = 16, or 0 to zero-fill without reading. The L2::256B
+// hint lets L2 fetch the whole aligned 256-byte block (the row's next pieces).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned n) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+// 4 bytes global -> shared; n = 4, or 0 to zero-fill.
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, unsigned n) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }

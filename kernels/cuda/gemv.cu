@@ -744,28 +744,6 @@ GEMV_TC_KERNEL(gemv_nvfp4_tc32, KIND_NVFP4, 4)
 #define PIPE_MIN_BLOCKS 2                                             // sm_86, sm_89, sm_120: 100 KiB
 #endif
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, bypassing L1; n = 16, or 0 to zero-fill without reading. The L2::256B
-// hint lets L2 fetch the whole aligned 256-byte block (the row's next steps).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned n) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-// 4 bytes global -> shared; n = 4, or 0 to zero-fill.
-__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, unsigned n) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // volatile: never hoisted above the cp.async.wait_group that makes the bytes visible.
 __device__ __forceinline__ uint4 lds16(unsigned a) {
     uint4 v;

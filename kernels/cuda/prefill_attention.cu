@@ -61,14 +61,6 @@
 
 typedef signed char i8_t;
 
-__device__ __forceinline__ float pf_bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-__device__ __forceinline__ float pf_exp2(float x) {       // ex2.approx: 2^-inf = 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Two fp32 -> bf16x2 (round to nearest even, as f32_to_bf16 for every non-NaN); lo in the low half.
 __device__ __forceinline__ unsigned pf_pack(float lo, float hi) {
     unsigned r;
@@ -76,31 +68,6 @@ __device__ __forceinline__ unsigned pf_pack(float lo, float hi) {
     return r;
 }
 
-// attention.cu's `gated`: torch's sigmoid in fp32 rounded to bf16, times bf16(attn); the caller rounds.
-__device__ __forceinline__ float pf_gated(float attn, float gate) {
-    const float a = pf_bf16_round(attn);
-    const float s = pf_bf16_round(__fdividef(1.f, 1.f + expf(-gate)));
-    return a * s;
-}
-
-__device__ __forceinline__ unsigned pf_smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, bypassing L1; n = 16, or 0 to zero-fill without reading the source.
-__device__ __forceinline__ void pf_cp16(unsigned dst, const void* src, unsigned n) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-// 4 bytes global -> shared (fp32 scales); n = 4 or 0.
-__device__ __forceinline__ void pf_cp4(unsigned dst, const void* src, unsigned n) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void pf_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void pf_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // volatile: kept in program order with the cp.async waits and barriers around the tiles they read.
 __device__ __forceinline__ void pf_ldsm(unsigned a, unsigned (&r)[4]) {
@@ -178,7 +145,7 @@ __device__ __forceinline__ void pf_issue_bf16(const PfLoad<D, NT>& ld, const bf1
 #pragma unroll
     for (int i = 0; i < PF_PAGE / LD::RS; ++i) {
         const bool ok = i * LD::RS <= lim;
-        pf_cp16(dst + ld.swz(i), ok ? (const void*)(src + off) : (const void*)pool, ok ? 16u : 0u);
+        cp_async16(dst + ld.swz(i), ok ? (const void*)(src + off) : (const void*)pool, ok ? 16u : 0u);
         off += ld.gstep;
     }
 }
@@ -196,7 +163,7 @@ __device__ __forceinline__ void pf_issue_i8(const PfLoad<D, NT>& ld, const i8_t*
 #pragma unroll
     for (int i = 0; i < PF_PAGE / LD::RSC; ++i) {
         const bool ok = i * LD::RSC <= lim;
-        pf_cp16(dcodes + ld.cdst + (unsigned)(i * LD::RSC * D), ok ? (const void*)(src + off) : (const void*)pool,
+        cp_async16(dcodes + ld.cdst + (unsigned)(i * LD::RSC * D), ok ? (const void*)(src + off) : (const void*)pool,
                 ok ? 16u : 0u);
         off += ld.cstep;
     }
@@ -207,7 +174,7 @@ __device__ __forceinline__ void pf_issue_i8(const PfLoad<D, NT>& ld, const i8_t*
         if (PF_PAGE * LD::NG % NT == 0 || e < PF_PAGE * LD::NG) {
             const int r = e / LD::NG, gi = e % LD::NG;
             const bool ok = base + r <= pmax;
-            pf_cp4(dscales + (unsigned)e * 4u, ok ? (const void*)(s0 + r * KV * LD::NG + gi) : (const void*)scl,
+            cp_async4(dscales + (unsigned)e * 4u, ok ? (const void*)(s0 + r * KV * LD::NG + gi) : (const void*)scl,
                    ok ? 4u : 0u);
         }
     }
@@ -267,7 +234,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     if (tile < 0) return;                                                // CTA-uniform
     const int rho0 = tile * ROWS;
     const int* pt = page_tables + (i64_t)b * max_pages;
-    const unsigned qs = pf_smem_u32(Qs), ks = pf_smem_u32(Ks), vs = pf_smem_u32(Vs);
+    const unsigned qs = smem_u32(Qs), ks = smem_u32(Ks), vs = smem_u32(Vs);
 
     // Q rows -> Qs (rows past the sequence zero-filled).
 #pragma unroll 4
@@ -278,7 +245,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
         const bool ok = rho < rows;
         const bf16_t* src = q;
         if (ok) src = q + ((i64_t)(c0 + rho / G) * H + kvh * G + rho % G) * D + c * 8;
-        pf_cp16(qs + pf_swz<D>(r, c), src, ok ? 16u : 0u);
+        cp_async16(qs + pf_swz<D>(r, c), src, ok ? 16u : 0u);
     }
 
     // Positions of this lane's rows (g, g + 8); -1 for rows past the sequence (every key masked).
@@ -307,10 +274,10 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     const i8_t* kq = reinterpret_cast<const i8_t*>(k_pool);
     const i8_t* vq = reinterpret_cast<const i8_t*>(v_pool);
     if constexpr (I8)
-        pf_issue_i8<D, NT>(ld, kq, k_scale, pf_smem_u32(Kc), pf_smem_u32(Ksc), pt[0], 0, pmax, KV);
+        pf_issue_i8<D, NT>(ld, kq, k_scale, smem_u32(Kc), smem_u32(Ksc), pt[0], 0, pmax, KV);
     else
         pf_issue_bf16<D, NT>(ld, kp, ks, pt[0], 0, pmax, KV);
-    pf_commit();                                                         // one group: Q and K(0)
+    cp_async_commit();                                                         // one group: Q and K(0)
 
     // ldmatrix lane addresses. Lane l supplies row l & 7 of matrix l >> 3; with the swizzle, logical
     // chunk 2s + x (x = 0, 1) of a row whose r & 7 = l & 7 sits at chunk (2s) ^ (x ^ (l & 7)) =
@@ -338,16 +305,16 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
 
     for (int j = 0; j < J; ++j) {
         // (A) K(j) landed and every warp is done with Vs (P V(j-1)).
-        pf_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
         if constexpr (I8) {
-            pf_issue_i8<D, NT>(ld, vq, v_scale, pf_smem_u32(Vc), pf_smem_u32(Vsc), pt[j], j * PF_PAGE, pmax, KV);
-            pf_commit();
+            pf_issue_i8<D, NT>(ld, vq, v_scale, smem_u32(Vc), smem_u32(Vsc), pt[j], j * PF_PAGE, pmax, KV);
+            cp_async_commit();
             pf_dequant<D, NT>(ld, Kc, Ksc, reinterpret_cast<unsigned char*>(Ks));
             __syncthreads();
         } else {
             pf_issue_bf16<D, NT>(ld, vp, vs, pt[j], j * PF_PAGE, pmax, KV);
-            pf_commit();
+            cp_async_commit();
         }
 
         const bool live = j * PF_PAGE <= pw;                             // warp-uniform
@@ -389,7 +356,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
                 ms[i] = mx[i] == PF_NEG_INF ? 0.f : mx[i] * scale_log2;  // a row with no key yet: p = 0
-                const float corr = pf_exp2(m[i] * scale_log2 - ms[i]);   // 0 while m is -inf
+                const float corr = fast_exp2(m[i] * scale_log2 - ms[i]);   // 0 while m is -inf
                 m[i] = mx[i];
                 l[i] *= corr;
 #pragma unroll
@@ -402,7 +369,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
             for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    s[nt][e] = pf_exp2(fmaf(s[nt][e], scale_log2, -ms[e >> 1]));
+                    s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -ms[e >> 1]));
                     l[e >> 1] += s[nt][e];
                 }
             }
@@ -421,16 +388,16 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
         }
 
         // (B) V(j) landed and every warp is done with Ks (S(j)).
-        pf_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
         if (j + 1 < J) {
             if constexpr (I8)
-                pf_issue_i8<D, NT>(ld, kq, k_scale, pf_smem_u32(Kc), pf_smem_u32(Ksc), pt[j + 1], (j + 1) * PF_PAGE,
+                pf_issue_i8<D, NT>(ld, kq, k_scale, smem_u32(Kc), smem_u32(Ksc), pt[j + 1], (j + 1) * PF_PAGE,
                                    pmax, KV);
             else
                 pf_issue_bf16<D, NT>(ld, kp, ks, pt[j + 1], (j + 1) * PF_PAGE, pmax, KV);
         }
-        pf_commit();
+        cp_async_commit();
         if constexpr (I8) {
             pf_dequant<D, NT>(ld, Vc, Vsc, reinterpret_cast<unsigned char*>(Vs));
             __syncthreads();
@@ -480,7 +447,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float2 af = bf16x2_to_f32x2(aw[k]), gf = bf16x2_to_f32x2(gw[k]);
-                ow[k] = pf_pack(pf_gated(af.x, gf.x), pf_gated(af.y, gf.y));
+                ow[k] = pf_pack(gated(af.x, gf.x), gated(af.y, gf.y));
             }
             *reinterpret_cast<uint4*>(out + ((i64_t)n * H + h) * D + c * 8) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
         }
