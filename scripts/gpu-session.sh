@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One lent GPU session's worth of checks, in parts that each fit a 10-minute command:
 #
-#   scripts/gpu-session.sh tests OUT     the GPU test suite (not slow), log in OUT/
+#   scripts/gpu-session.sh tests OUT     the GPU test suite (not slow), log in OUT/ (~480 s on an H200 pair)
 #   scripts/gpu-session.sh decode OUT    one GPU: 27B decode (bf16, fp8, nvfp4) + prefill, 35B-A3B decode,
 #                                        the decode-step profile, the quantised GEMV variants, speculation on the demo model
+#   scripts/gpu-session.sh prefill OUT   one GPU: 27B prefill of 8k and 64k prompts, 35B-A3B prefill of 8k, an
+#                                        8k prefill chunk's profile, the GDN rule's two forms per column count
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #
@@ -11,7 +13,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests|decode|tp OUT}
+PART=${1:?usage: gpu-session.sh tests|decode|prefill|tp OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -30,6 +32,15 @@ case "$PART" in
     timeout 150 python $B/spec.py --draft-tokens 0 1 2 3 4 5 --concurrency 1 4 8 --new-tokens 64 \
         --out "$OUT/spec-demo.json" > "$OUT/spec-demo.txt" 2>&1
     for f in decode-27b decode-35b profile linear spec-demo; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
+  prefill)
+    timeout 150 python $B/decode.py --model 27b --weights bf16 --concurrency 1 --prefill 8192 65536 --steps 5 \
+        --out "$OUT/prefill-27b.json" > "$OUT/prefill-27b.txt" 2>&1
+    timeout 90 python $B/decode.py --model 35b-a3b --weights bf16 --concurrency 1 --prefill 8192 --steps 5 \
+        --out "$OUT/prefill-35b.json" > "$OUT/prefill-35b.txt" 2>&1
+    timeout 90 python $B/profile_step.py --model 27b --layers 8 --prefill 8192 --reps 2 --top 12 \
+        --out "$OUT/profile-prefill.json" > "$OUT/profile-prefill.txt" 2>&1
+    timeout 60 python $B/gdn_prefill.py --out "$OUT/gdn.json" > "$OUT/gdn.txt" 2>&1
+    for f in prefill-27b prefill-35b profile-prefill gdn; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
   tp)
     timeout 120 python $B/allreduce.py --out "$OUT/allreduce.json" > "$OUT/allreduce.txt" 2>&1
     timeout 300 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox nccl --share \
@@ -37,5 +48,5 @@ case "$PART" in
     timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
         --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
-  *) echo "unknown part $PART (tests, decode, tp)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests, decode, prefill, tp)" >&2; exit 2 ;;
 esac

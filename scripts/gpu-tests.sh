@@ -13,7 +13,8 @@ shift || true
 if [ $# -eq 0 ] || [ "${1#-}" != "$1" ]; then set -- "$@" $(grep -l "mark.gpu\|@gpu" tests/test_*.py); fi
 mkdir -p "$LOG_DIR"
 {
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # TANDEM_COMMIT names the tree when the checkout's git metadata is not the tree's own (a copy)
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: ${TANDEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   python -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cupy', cupy.__version__)"
 } | tee "$LOG_DIR/gpu-tests.log"

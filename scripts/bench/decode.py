@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     spec = spec_for(args.model, num_layers=args.layers)
     props = torch.cuda.get_device_properties(0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True,
-                            text=True).stdout.strip() or None
+    # TANDEM_COMMIT names the tree when the checkout's git metadata is not the tree's own (a copy)
+    commit = os.environ.get("TANDEM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True, text=True).stdout.strip() or None
     bw = measure_bandwidth()
     torch.cuda.empty_cache()
     mm = matmul_rate()
