@@ -53,7 +53,7 @@
 // path rounds probabilities), row sum from the fp32 probabilities; int8 K/V dequantised as the
 // reference's bf16 path: fp32 code * scale rounded to bf16. Epilogue: O / l rounded to bf16, staged in
 // the warp's own rows of Qs (no other warp reads them), then written out in 16-byte chunks with the gate
-// applied exactly as attention.cu's `gated`.
+// applied by `gated` (common.cuh), as the decode kernels do.
 #include "common.cuh"
 
 #define PF_PAGE 64
