@@ -514,6 +514,55 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
     }
 }
 
+// The epilogue shared by gemv_*_tc and gemv_*_pipe. Row scales: mul[r] brings row r's partial sums back
+// (nvfp4: 2^8 * global scale; fp8: 2^56, times the row's scale for fp8row; fp8blk scaled per step).
+template <int KIND>
+__device__ __forceinline__ void tc_row_scales(const void* __restrict__ scale, const float* __restrict__ gscale,
+                                              const bool (&ok)[2], const int (&rows)[2], float (&mul)[2]) {
+    if (KIND == KIND_NVFP4) {
+        mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
+    } else {
+        const float two56 = __uint_as_float(0x5b800000u);             // 2^56
+        mul[0] = two56; mul[1] = two56;
+        if (KIND == KIND_FP8ROW) {
+            mul[0] *= ok[0] ? __ldg((const float*)scale + rows[0]) : 0.f;
+            mul[1] *= ok[1] ? __ldg((const float*)scale + rows[1]) : 0.f;
+        }
+    }
+}
+
+// Store a lane's outputs: v[0], v[1] = rows[0] at columns c0, c0 + 1; v[2], v[3] = rows[1], the same
+// columns (columns >= T are not stored), through the `mode` epilogue.
+__device__ __forceinline__ void tc_store(bf16_t* __restrict__ y, const bf16_t* residual, const float (&v)[4],
+                                         const float (&mul)[2], const bool (&ok)[2], const int (&rows)[2], int c0,
+                                         int T, int O, int F, int mode) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int col = c0 + j;
+        if (col >= T) continue;
+        const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
+        if (mode == 2) {
+            if (ok[0]) {
+                const float gate = bf16_to_f32(f32_to_bf16(r0));
+                const float up = bf16_to_f32(f32_to_bf16(r1));
+                const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
+                y[(i64_t)col * F + rows[0]] = f32_to_bf16(act * up);
+            }
+        } else {
+            const float rv[2] = {r0, r1};
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (ok[r]) {
+                    const i64_t o = (i64_t)col * O + rows[r];
+                    bf16_t b = f32_to_bf16(rv[r]);
+                    if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
+                    y[o] = b;
+                }
+            }
+        }
+    }
+}
+
 // NB column tiles of 8: T <= 8 NB. Steps in flight per lane (U) shrink as NB grows, to keep the
 // accumulators in registers.
 template <int KIND, int NB>
@@ -626,16 +675,7 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
     if (kslot != 0) return;
     // v[0], v[1]: rows[0], columns 8 nb + 2t, +1; v[2], v[3]: rows[1], the same columns.
     float mul[2];
-    if (KIND == KIND_NVFP4) {
-        mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
-    } else {
-        const float two56 = __uint_as_float(0x5b800000u);             // 2^56
-        mul[0] = two56; mul[1] = two56;
-        if (KIND == KIND_FP8ROW) {
-            mul[0] *= ok[0] ? __ldg((const float*)scale + rows[0]) : 0.f;
-            mul[1] *= ok[1] ? __ldg((const float*)scale + rows[1]) : 0.f;
-        }
-    }
+    tc_row_scales<KIND>(scale, gscale, ok, rows, mul);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
         float v[4];
@@ -645,31 +685,7 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
             for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
             v[i] = s;
         }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int col = 8 * nb + 2 * t + j;
-            if (col >= T) continue;
-            const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
-            if (mode == 2) {
-                if (ok[0]) {
-                    const float gate = bf16_to_f32(f32_to_bf16(r0));
-                    const float up = bf16_to_f32(f32_to_bf16(r1));
-                    const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
-                    y[(i64_t)col * F + rows[0]] = f32_to_bf16(act * up);
-                }
-            } else {
-                const float rv[2] = {r0, r1};
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    if (ok[r]) {
-                        const i64_t o = (i64_t)col * O + rows[r];
-                        bf16_t b = f32_to_bf16(rv[r]);
-                        if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
-                        y[o] = b;
-                    }
-                }
-            }
-        }
+        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode);
     }
 }
 
@@ -984,16 +1000,7 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
     if (kslot != 0) return;
     // v[0], v[1]: rows[0], columns 2t, 2t+1; v[2], v[3]: rows[1], the same columns.
     float mul[2];
-    if (NVFP4) {
-        mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
-    } else {
-        const float two56 = __uint_as_float(0x5b800000u);             // 2^56
-        mul[0] = two56; mul[1] = two56;
-        if (KIND == KIND_FP8ROW) {
-            mul[0] *= ok[0] ? __ldg((const float*)scale + rows[0]) : 0.f;
-            mul[1] *= ok[1] ? __ldg((const float*)scale + rows[1]) : 0.f;
-        }
-    }
+    tc_row_scales<KIND>(scale, gscale, ok, rows, mul);
     float v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1001,31 +1008,7 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
         for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][i][lane];
         v[i] = s;
     }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int c = 2 * t + j;
-        if (c >= T) continue;
-        const float r0 = v[j] * mul[0], r1 = v[2 + j] * mul[1];
-        if (mode == 2) {
-            if (ok[0]) {
-                const float gate = bf16_to_f32(f32_to_bf16(r0));
-                const float up = bf16_to_f32(f32_to_bf16(r1));
-                const float act = bf16_to_f32(f32_to_bf16(silu_exact(gate)));
-                y[(i64_t)c * F + rows[0]] = f32_to_bf16(act * up);
-            }
-        } else {
-            const float rv[2] = {r0, r1};
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                if (ok[r]) {
-                    const i64_t o = (i64_t)c * O + rows[r];
-                    bf16_t b = f32_to_bf16(rv[r]);
-                    if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
-                    y[o] = b;
-                }
-            }
-        }
-    }
+    tc_store(y, residual, v, mul, ok, rows, 2 * t, T, O, F, mode);
 }
 
 #define GEMV_PIPE_KERNEL(name, KIND, D)                                                     \
