@@ -229,6 +229,7 @@ def _linear_vs_reference(w, wf, T, seed, mode):
     from kernels.cuda_linear import linear, linear_swiglu
     O, I = wf.shape
     x = _x(T, I, seed)
+    scale = None
     if mode == 2:
         out = torch.full((T, O // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
         got = linear_swiglu(x, w, out=out)
@@ -236,7 +237,6 @@ def _linear_vs_reference(w, wf, T, seed, mode):
     else:
         out = torch.full((T, O), float("nan"), dtype=torch.bfloat16, device="cuda")
         want = ref.linear(x.float(), wf)
-        scale = None
         if mode == 1:
             # bf16(residual + bf16(y)): y's rounding is part of the contract, and where residual and y
             # cancel it is large next to the sum, so the bound is relative to the terms' size
