@@ -879,19 +879,6 @@ __device__ __forceinline__ void gdn_chunk_scan_body(
 
 // ---- Tensor-core scan (DK <= 128). See the note "Tensor-core scan" above the chunked kernels.
 
-__device__ __forceinline__ unsigned gdn_smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared; n = 16, or 0 to zero-fill without reading the source.
-__device__ __forceinline__ void gdn_cp16(unsigned dst, const void* src, unsigned n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void gdn_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void gdn_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // volatile: kept in program order with the cp.async waits and barriers around the tiles they read.
 __device__ __forceinline__ void gdn_ldsm(unsigned a, unsigned (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -930,6 +917,21 @@ __device__ __forceinline__ unsigned gdn_swz(int r, int c) {
     return (unsigned)(r * D + ((c ^ (r & M)) << 3)) * 2u;
 }
 
+// ldmatrix (x4) lane roles in a tile of D bf16 columns: lane l addresses row l & 7 of matrix l >> 3.
+// Non-transposed B loads (W, q, QKD: chunk rows are the n index) take matrices {rows 0-7, 8-15} x
+// {chunk 2e, 2e+1} as row = 8 (m >> 1) + (l & 7), chunk 2e + (m & 1); transposed ones (k: chunk rows
+// are the k index) row = 8 (m & 1) + (l & 7), chunk 2e + (m >> 1). o[e] = byte offset of that row and
+// chunk (gdn_swz, as the tiles were stored) for e = 0..3; whole steps of 16 rows add 32 D bytes and
+// chunk + 8 adds 128 bytes (the XOR reads the row's low 3 bits and changes the chunk's low 3 bits only).
+// The lane index comes in through an opaque move at each use, so the offsets live only in the loop
+// that reads them.
+template <int D>
+__device__ __forceinline__ void gdn_lane_offs(int lane, bool trans, unsigned (&o)[4]) {
+    const int m = lane >> 3, r = (trans ? 8 * (m & 1) : 8 * (m >> 1)) + (lane & 7), cb = trans ? m >> 1 : m & 1;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = gdn_swz<D>(r, 2 * e + cb);
+}
+
 // Dynamic shared memory of the tensor-core scan: W hi, W lo, q, k [64][DK] bf16, QKD hi, lo [64][64]
 // bf16, the per-row factors [64] float4.
 #define GDN_SCAN_TC_SMEM(DK) (4 * GDN_CHUNK * (DK) * 2 + 2 * GDN_CHUNK * GDN_CHUNK * 2 + GDN_CHUNK * 16)
@@ -948,10 +950,11 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
 {
     constexpr int NT = DK / 8;                         // n-tiles of the state (d)
     constexpr int KS = DK / 16;                        // k-steps over d
+    constexpr int NQ = DK >= 128 ? 4 : 2;              // groups of chunk rows per chunk (see the rows below)
     constexpr unsigned TB = GDN_CHUNK * DK * 2;        // bytes of a [64][DK] bf16 tile
     constexpr unsigned DB = GDN_CHUNK * GDN_CHUNK * 2; // bytes of a [64][64] bf16 tile
     extern __shared__ __align__(16) unsigned char gdn_smem[];
-    const unsigned sWh = gdn_smem_u32(gdn_smem), sWl = sWh + TB, sQ = sWh + 2 * TB, sK = sWh + 3 * TB;
+    const unsigned sWh = smem_u32(gdn_smem), sWl = sWh + TB, sQ = sWh + 2 * TB, sK = sWh + 3 * TB;
     const unsigned sDh = sWh + 4 * TB, sDl = sDh + DB, sInf = sDl + DB;
     const float4* s_info = reinterpret_cast<const float4*>(gdn_smem + 4 * TB + 2 * DB);
 
@@ -969,25 +972,12 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
     if (lo < 0 || hi > N || hi <= lo) return;                                  // block-uniform
     const int hk = h / (HV / HK);
     const i64_t C = (i64_t)2 * HK * DK + (i64_t)HV * DV;
-    const i64_t RV = (i64_t)HV * DV;                   // U / out column stride
     const int slot = slots[bseq];
     const bool zero = fresh[bseq] != 0 || slot < 0;
     // this warp: value columns vb .. vb+15 (the mma M rows); a lane holds columns v0 = vb+g, v1 = vb+g+8
     const int vb = (blockIdx.x * (nthr >> 5) + warp) * 16;
     const int v0 = vb + g, v1 = v0 + 8;
     const bool ok0 = v0 < DV, ok1 = v1 < DV;
-    // ldmatrix lane roles: lane l addresses row l & 7 of matrix l >> 3. A row r = 8m + lr of a tile
-    // keeps its logical chunk c at c ^ (lr & M) (gdn_swz), so for the 4 values of c mod 8 that a loop
-    // needs, a lane precomputes its byte offsets; larger row / chunk steps are then constant additions
-    // (whole groups of 8 rows, and chunk + 8 = byte + 128, leave the XOR alone).
-    const int lr = lane & 7, lm = lane >> 3;
-    // Lane terms: byte offset of the lane's row, and the XOR applied to its chunk index (< 8).
-    const unsigned rW = (8 * (lm >> 1) + lr) * DK * 2, rD = (8 * (lm >> 1) + lr) * GDN_CHUNK * 2;
-    const unsigned rK = (8 * (lm & 1) + lr) * DK * 2;
-    const int xW = ((lm & 1) ^ lr) & ((DK / 8 < 8 ? DK / 8 : 8) - 1), xD = (lm & 1) ^ lr;
-    const int xK = ((lm >> 1) ^ lr) & ((DK / 8 < 8 ? DK / 8 : 8) - 1);
-    // chunk 2e + (lane bit) for e < 4 sits at byte ((2e ^ x) << 4) of the row; chunk + 8: byte + 128
-#define GDN_OFF(r, x, e) ((r) + ((unsigned)((2 * (e)) ^ (x)) << 4))
 
     // Tile loads. W and q are read by the first products of a chunk, k, QKD and the factors by the
     // last ones; each group is reissued for the next chunk as soon as every warp is done with it.
@@ -999,13 +989,13 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
             const int i = idx / (DK / 4), c = idx - i * (DK / 4);
             const int part = c / (DK / 8), cc = c - part * (DK / 8);
             const bool v = i < L;
-            gdn_cp16((part ? sWl : sWh) + gdn_swz<DK>(i, cc),
+            cp_async16((part ? sWl : sWh) + gdn_swz<DK>(i, cc),
                      v ? Wp + ((i64_t)(t0 + i) * HV + h) * 2 * DK + 8 * c : Wp, v ? 16u : 0u);
         }
         for (int idx = tid; idx < GDN_CHUNK * (DK / 8); idx += nthr) {         // q (raw conv output)
             const int i = idx / (DK / 8), c = idx - i * (DK / 8);
             const bool v = i < L;
-            gdn_cp16(sQ + gdn_swz<DK>(i, c), v ? y + (i64_t)(t0 + i) * C + (i64_t)hk * DK + 8 * c : y,
+            cp_async16(sQ + gdn_swz<DK>(i, c), v ? y + (i64_t)(t0 + i) * C + (i64_t)hk * DK + 8 * c : y,
                      v ? 16u : 0u);
         }
     };
@@ -1014,18 +1004,18 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
         for (int idx = tid; idx < GDN_CHUNK * (DK / 8); idx += nthr) {         // k (raw conv output)
             const int i = idx / (DK / 8), c = idx - i * (DK / 8);
             const bool v = i < L;
-            gdn_cp16(sK + gdn_swz<DK>(i, c),
+            cp_async16(sK + gdn_swz<DK>(i, c),
                      v ? y + (i64_t)(t0 + i) * C + (i64_t)(HK + hk) * DK + 8 * c : y, v ? 16u : 0u);
         }
         for (int idx = tid; idx < GDN_CHUNK * 16; idx += nthr) {               // QKD: 16 chunks per row
             const int i = idx >> 4, c = idx & 15;
             const bool v = i < L;
-            gdn_cp16(((c >> 3) ? sDl : sDh) + gdn_swz<GDN_CHUNK>(i, c & 7),
+            cp_async16(((c >> 3) ? sDl : sDh) + gdn_swz<GDN_CHUNK>(i, c & 7),
                      v ? QKDp + ((i64_t)(t0 + i) * HV + h) * 128 + 8 * c : QKDp, v ? 16u : 0u);
         }
         for (int i = tid; i < GDN_CHUNK; i += nthr) {                          // factors (rows >= L: 0)
             const bool v = i < L;
-            gdn_cp16(sInf + 16 * i, v ? info + (i64_t)(t0 + i) * HV + h : info, v ? 16u : 0u);
+            cp_async16(sInf + 16 * i, v ? info + (i64_t)(t0 + i) * HV + h : info, v ? 16u : 0u);
         }
     };
 
@@ -1045,58 +1035,43 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
     const int nch = (hi - lo + GDN_CHUNK - 1) / GDN_CHUNK;
     issue_wq(lo, min(GDN_CHUNK, hi - lo));
     issue_kd(lo, min(GDN_CHUNK, hi - lo));
-    gdn_cp_commit();
+    cp_async_commit();
     for (int c = 0; c < nch; ++c) {
         const int t0 = lo + c * GDN_CHUNK, L = min(GDN_CHUNK, hi - t0);
         const int t1 = t0 + GDN_CHUNK, L1 = min(GDN_CHUNK, hi - t1);          // next chunk (if c + 1 < nch)
 
-        gdn_cp_wait_all();
+        cp_async_wait<0>();
         __syncthreads();                               // this chunk's tiles landed (every thread's copies)
 
-        // V'^T = U^T - S^T W^T starts from U^T: vt[n][0..1] = U[i = 8n + 2t, +1][v0], [2..3] at v1
+        // NQ groups of 64 / NQ chunk rows (group hq: n-tiles 8/NQ hq ..). Group hq computes
+        // V'^T = U^T - S^T W^T for its rows (vt[n], starting from U^T: vt[n][0..1] = U[i = 8n + 2t, +1][v0],
+        // vt[n][2..3] at v1) and, in the same pass over k-steps (one split of S^T serves W and q), the
+        // first term of its O^T rows, -S^T q^T, in ot; then O^T = (S^T q^T) diag(iq scale e^G) + V'^T QKD^T,
+        // where QKD is lower triangular, so a group reads the V' columns of its own and earlier rows only.
+        // Groups bound the live O accumulators (8 / NQ n-tiles) at the price of one split of S^T per group:
+        // DK 128 needs quarters to stay within 255 registers without spills.
+        // Row i = 8n + 2t is valid iff 8n < Lt (i + 1 iff 8n + 1 < Lt): compares with constants. The row
+        // stride and the lane's row go through opaque moves each chunk: derived from loop invariants, the
+        // row addresses would be hoisted out of the chunk loop and held throughout.
+        const i64_t rs = opaque(HV * DV);              // U / out row stride (elements)
+        const int tr = opaque(t), Lt = L - 2 * tr;
         float vt[8][4];
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            const int i = 8 * n + 2 * t;
-            const float* u = U + ((i64_t)(t0 + i) * HV + h) * DV;
-            vt[n][0] = i < L && ok0 ? u[v0] : 0.f;
-            vt[n][1] = i + 1 < L && ok0 ? u[RV + v0] : 0.f;
-            vt[n][2] = i < L && ok1 ? u[v1] : 0.f;
-            vt[n][3] = i + 1 < L && ok1 ? u[RV + v1] : 0.f;
-        }
-
-        // vt += (-S^T) W^T: three split products (W and S both fp32)
+        for (int hq = 0; hq < NQ; ++hq) {
+            float ot[8 / NQ][4];
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            unsigned ah[4], al[4];
-            gdn_split(-st[2 * kk][0], -st[2 * kk][1], ah[0], al[0]);
-            gdn_split(-st[2 * kk][2], -st[2 * kk][3], ah[1], al[1]);
-            gdn_split(-st[2 * kk + 1][0], -st[2 * kk + 1][1], ah[2], al[2]);
-            gdn_split(-st[2 * kk + 1][2], -st[2 * kk + 1][3], ah[3], al[3]);
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {              // chunk rows i = 16p .. 16p+15: n-tiles 2p, 2p+1
-                const unsigned off = GDN_OFF(rW, xW, kk & 3) + 32 * DK * p + 128 * (kk >> 2);   // row 16p + .., chunk 2kk + ..
-                unsigned bh[4], bl[4];
-                gdn_ldsm(sWh + off, bh);
-                gdn_mma(vt[2 * p], ah, bh[0], bh[1]);
-                gdn_mma(vt[2 * p + 1], ah, bh[2], bh[3]);
-                gdn_mma(vt[2 * p], al, bh[0], bh[1]);
-                gdn_mma(vt[2 * p + 1], al, bh[2], bh[3]);
-                gdn_ldsm(sWl + off, bl);
-                gdn_mma(vt[2 * p], ah, bl[0], bl[1]);
-                gdn_mma(vt[2 * p + 1], ah, bl[2], bl[3]);
+            for (int n = 8 / NQ * hq; n < 8 / NQ * (hq + 1); ++n) {
+                const float* u = U + ((i64_t)(t0 + 2 * tr) * HV + h) * DV + 8 * n * rs;
+                vt[n][0] = 8 * n < Lt && ok0 ? u[v0] : 0.f;
+                vt[n][1] = 8 * n + 1 < Lt && ok0 ? u[rs + v0] : 0.f;
+                vt[n][2] = 8 * n < Lt && ok1 ? u[v1] : 0.f;
+                vt[n][3] = 8 * n + 1 < Lt && ok1 ? u[rs + v1] : 0.f;
+                ot[n - 8 / NQ * hq][0] = ot[n - 8 / NQ * hq][1] = ot[n - 8 / NQ * hq][2] = ot[n - 8 / NQ * hq][3] = 0.f;
             }
-        }
 
-        // O^T = (S^T q^T) diag(iq scale e^G) + V'^T QKD^T, in two halves of 32 chunk rows (half hq: rows
-        // 32hq .., n-tiles 4hq .. 4hq+3, held in ot[0..3]); QKD is lower triangular, so rows < 32 read
-        // V' columns < 32 only. Halves keep 16 accumulator registers live instead of 32.
-#pragma unroll
-        for (int hq = 0; hq < 2; ++hq) {
-            float ot[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) ot[n][0] = ot[n][1] = ot[n][2] = ot[n][3] = 0.f;
-            // ot = (-S^T) q^T: q exact in bf16, two split products
+            // vt += (-S^T) W^T: three split products (W and S both fp32); ot += (-S^T) q^T: two (q exact)
+            unsigned ow[4];
+            gdn_lane_offs<DK>(opaque(lane), false, ow);
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) {
                 unsigned ah[4], al[4];
@@ -1105,66 +1080,77 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
                 gdn_split(-st[2 * kk + 1][0], -st[2 * kk + 1][1], ah[2], al[2]);
                 gdn_split(-st[2 * kk + 1][2], -st[2 * kk + 1][3], ah[3], al[3]);
 #pragma unroll
-                for (int pp = 0; pp < 2; ++pp) {
-                    const int p = 2 * hq + pp;
-                    unsigned bq[4];
-                    gdn_ldsm(sQ + GDN_OFF(rW, xW, kk & 3) + 32 * DK * p + 128 * (kk >> 2), bq);
-                    gdn_mma(ot[2 * pp], ah, bq[0], bq[1]);
-                    gdn_mma(ot[2 * pp + 1], ah, bq[2], bq[3]);
-                    gdn_mma(ot[2 * pp], al, bq[0], bq[1]);
-                    gdn_mma(ot[2 * pp + 1], al, bq[2], bq[3]);
+                for (int pp = 0; pp < 4 / NQ; ++pp) {  // chunk rows i = 16p .. 16p+15: n-tiles 2p, 2p+1
+                    const int p = 4 / NQ * hq + pp;
+                    const unsigned off = ow[kk & 3] + 32 * DK * p + 128 * (kk >> 2);   // row 16p + .., chunk 2kk + ..
+                    unsigned b[4];
+                    gdn_ldsm(sWh + off, b);
+                    gdn_mma(vt[2 * p], ah, b[0], b[1]);
+                    gdn_mma(vt[2 * p + 1], ah, b[2], b[3]);
+                    gdn_mma(vt[2 * p], al, b[0], b[1]);
+                    gdn_mma(vt[2 * p + 1], al, b[2], b[3]);
+                    gdn_ldsm(sWl + off, b);
+                    gdn_mma(vt[2 * p], ah, b[0], b[1]);
+                    gdn_mma(vt[2 * p + 1], ah, b[2], b[3]);
+                    gdn_ldsm(sQ + off, b);
+                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
+                    gdn_mma(ot[2 * pp], al, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], al, b[2], b[3]);
                 }
             }
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int i = 32 * hq + 8 * n + 2 * t;
+            for (int n = 0; n < 8 / NQ; ++n) {         // ot = (S^T q^T) diag(iq scale e^G)
+                const int i = 64 / NQ * hq + 8 * n + 2 * t;
                 const float f0 = -s_info[i].x, f1 = -s_info[i + 1].x;
                 ot[n][0] = __fmul_rn(ot[n][0], f0);
                 ot[n][1] = __fmul_rn(ot[n][1], f1);
                 ot[n][2] = __fmul_rn(ot[n][2], f0);
                 ot[n][3] = __fmul_rn(ot[n][3], f1);
             }
+            // ot += V'^T QKD^T over QKD columns j = 16kj .. 16kj+15 (rows i < 16kj, p < kj, skip: zeros)
+            unsigned od[4];
+            gdn_lane_offs<GDN_CHUNK>(opaque(lane), false, od);
 #pragma unroll
-            for (int kj = 0; kj < 2 * hq + 2; ++kj) {  // QKD columns j = 16kj .. 16kj+15
+            for (int kj = 0; kj < 4 / NQ * (hq + 1); ++kj) {
                 unsigned ah[4], al[4];
                 gdn_split(vt[2 * kj][0], vt[2 * kj][1], ah[0], al[0]);
                 gdn_split(vt[2 * kj][2], vt[2 * kj][3], ah[1], al[1]);
                 gdn_split(vt[2 * kj + 1][0], vt[2 * kj + 1][1], ah[2], al[2]);
                 gdn_split(vt[2 * kj + 1][2], vt[2 * kj + 1][3], ah[3], al[3]);
 #pragma unroll
-                for (int pp = 0; pp < 2; ++pp) {
-                    const int p = 2 * hq + pp;
-                    if (p < kj) continue;              // rows i < 16kj: zero above the diagonal
-                    const unsigned off = GDN_OFF(rD, xD, kj) + 32 * GDN_CHUNK * p;        // row 16p + .., chunk 2kj + ..
-                    unsigned bh[4], bl[4];
-                    gdn_ldsm(sDh + off, bh);
-                    gdn_mma(ot[2 * pp], ah, bh[0], bh[1]);
-                    gdn_mma(ot[2 * pp + 1], ah, bh[2], bh[3]);
-                    gdn_mma(ot[2 * pp], al, bh[0], bh[1]);
-                    gdn_mma(ot[2 * pp + 1], al, bh[2], bh[3]);
-                    gdn_ldsm(sDl + off, bl);
-                    gdn_mma(ot[2 * pp], ah, bl[0], bl[1]);
-                    gdn_mma(ot[2 * pp + 1], ah, bl[2], bl[3]);
+                for (int pp = 0; pp < 4 / NQ; ++pp) {
+                    const int p = 4 / NQ * hq + pp;
+                    if (p < kj) continue;
+                    const unsigned off = od[kj] + 32 * GDN_CHUNK * p;    // row 16p + .., chunk 2kj + ..
+                    unsigned b[4];
+                    gdn_ldsm(sDh + off, b);
+                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
+                    gdn_mma(ot[2 * pp], al, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], al, b[2], b[3]);
+                    gdn_ldsm(sDl + off, b);
+                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
                 }
             }
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int i = 32 * hq + 8 * n + 2 * t;
-                bf16_t* o = out + ((i64_t)(t0 + i) * HV + h) * DV;
-                if (i < L) {
-                    if (ok0) o[v0] = f32_to_bf16(ot[n][0]);
-                    if (ok1) o[v1] = f32_to_bf16(ot[n][2]);
+            for (int n = 8 / NQ * hq; n < 8 / NQ * (hq + 1); ++n) {
+                bf16_t* o = out + ((i64_t)(t0 + 2 * tr) * HV + h) * DV + 8 * n * rs;
+                if (8 * n < Lt) {
+                    if (ok0) o[v0] = f32_to_bf16(ot[n - 8 / NQ * hq][0]);
+                    if (ok1) o[v1] = f32_to_bf16(ot[n - 8 / NQ * hq][2]);
                 }
-                if (i + 1 < L) {
-                    if (ok0) o[RV + v0] = f32_to_bf16(ot[n][1]);
-                    if (ok1) o[RV + v1] = f32_to_bf16(ot[n][3]);
+                if (8 * n + 1 < Lt) {
+                    if (ok0) o[rs + v0] = f32_to_bf16(ot[n - 8 / NQ * hq][1]);
+                    if (ok1) o[rs + v1] = f32_to_bf16(ot[n - 8 / NQ * hq][3]);
                 }
             }
         }
         __syncthreads();                               // every warp done with W and q
         if (c + 1 < nch) {
             issue_wq(t1, L1);
-            gdn_cp_commit();
+            cp_async_commit();
         }
 
         // S^T <- e^G_last S^T + (V'^T diag(ik e^(G_last - G))) k   (k exact in bf16: 2 products)
@@ -1173,6 +1159,8 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[n][e] = __fmul_rn(st[n][e], eL);
+        unsigned okk[4];
+        gdn_lane_offs<DK>(opaque(lane), true, okk);
 #pragma unroll
         for (int ki = 0; ki < 4; ++ki) {               // chunk rows i = 16ki .. 16ki+15
             const float fa = s_info[16 * ki + 2 * t].y, fb = s_info[16 * ki + 2 * t + 1].y;
@@ -1185,7 +1173,7 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
 #pragma unroll
             for (int p = 0; p < KS; ++p) {             // state rows d = 16p .. 16p+15: n-tiles 2p, 2p+1
                 unsigned bk[4];
-                gdn_ldsm_t(sK + GDN_OFF(rK, xK, p & 3) + 32 * DK * ki + 128 * (p >> 2), bk);     // row 16ki + .., chunk 2p + ..
+                gdn_ldsm_t(sK + okk[p & 3] + 32 * DK * ki + 128 * (p >> 2), bk);     // row 16ki + .., chunk 2p + ..
                 gdn_mma(st[2 * p], ah, bk[0], bk[1]);
                 gdn_mma(st[2 * p + 1], ah, bk[2], bk[3]);
                 gdn_mma(st[2 * p], al, bk[0], bk[1]);
@@ -1195,15 +1183,19 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
         __syncthreads();                               // every warp done with k, QKD and the factors
         if (c + 1 < nch) {
             issue_kd(t1, L1);
-            gdn_cp_commit();
+            cp_async_commit();
         }
     }
 
-    if (slot >= 0) {
-        const int to = opaque(t);                      // recompute the addresses rather than keep them
+    // The slot and the state address are read / computed again rather than kept across the chunk loop.
+    const int slot_out = slots[opaque(bseq)];
+    if (slot_out >= 0) {
+        float* so = state + ((i64_t)slot_out * HV + h) * DK * DV;
+        const int to = opaque(t);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const i64_t d = 8 * n + 2 * to;
+            float* sp = so;
             if (ok0) {
                 sp[d * DV + v0] = st[n][0];
                 sp[(d + 1) * DV + v0] = st[n][1];
