@@ -29,7 +29,7 @@ import operator
 
 import torch
 
-from kernels.launch import KernelError, check, device_of, kernel, launch
+from kernels.launch import KernelError, check, device_of, kernel, launch, sm_count
 
 Tensor = torch.Tensor
 
@@ -50,7 +50,9 @@ CHUNKED_MIN_COLUMNS = 256
 _CHUNK = 64              # GDN_CHUNK in gdn.cu
 _PREP_THREADS = 256      # GDN_PREP_THREADS
 _SCAN_THREADS = 128      # GDN_SCAN_THREADS
-_SCAN_COLS = 16          # GDN_SCAN_COLS: value columns per scan block
+_SCAN_COLS = 16          # GDN_SCAN_COLS: value columns per block of the CUDA-core scan (DK 256)
+_SCAN_TC_DK = (16, 32, 64, 128)   # GDN_SCAN_TC: DK with the tensor-core scan
+_SCAN_TC_WARPS = 4       # most warps per tensor-core scan block (its launch bound: 128 threads)
 
 
 def _batch(slots: Tensor, cu_seqlens: Tensor, fresh: Tensor) -> int:
@@ -181,21 +183,61 @@ def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Te
     return out
 
 
+def _scan_tc_smem(DK: int) -> int:
+    """Dynamic shared memory of gdn_chunk_scan_tc_dkXX (GDN_SCAN_TC_SMEM in gdn.cu)."""
+    return 4 * _CHUNK * DK * 2 + 2 * _CHUNK * _CHUNK * 2 + _CHUNK * 16
+
+
+_scan_smem_set: set[tuple[str, int]] = set()
+
+
+def _scan_tc_kernel(DK: int, dev: int):
+    """The tensor-core scan for DK, opted in to its dynamic shared memory (above 48 KiB a launch fails
+    without the attribute; set once per kernel and device, with the device current)."""
+    name = f"gdn_chunk_scan_tc_dk{DK}"
+    fn = kernel(_SOURCE, name, dev)
+    smem = _scan_tc_smem(DK)
+    if smem > 48 * 1024 and (name, dev) not in _scan_smem_set:
+        import cupy
+        with cupy.cuda.Device(dev):
+            fn.max_dynamic_shared_size_bytes = smem
+        _scan_smem_set.add((name, dev))
+    return fn
+
+
+def _scan_tc_warps(DV: int, HV: int, B: int, sms: int) -> int:
+    """Warps (16 value columns each) per tensor-core scan block: 4, halved while the smaller blocks
+    still fit one per SM (every warp's step takes the same time, so an SM with two blocks would set the
+    pace; a block loads its chunk tiles once for all its warps)."""
+    w = min(_SCAN_TC_WARPS, -(-DV // 16))
+    while w > 1 and -(-DV // (8 * w)) * HV * B <= sms:
+        w //= 2
+    return w
+
+
 def _chunked_rule(out: Tensor, state: Tensor, y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
                   flags: int, slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, N: int, B: int, HK: int, HV: int,
                   DK: int, DV: int, longest: int, dev: int) -> None:
-    """The chunked gated delta rule (gdn.cu: gdn_chunk_prep_dkXX, then gdn_chunk_scan_dkXX) through
-    scratch indexed by column: U [N, HV, DV], W [N, HV, DK], QKD [N, HV, 64] and per-column
-    {G, iq, ik, 0} [N, HV, 4], fp32, in one allocation (every section starts 16-byte aligned: DV % 8 == 0
-    and DK % 16 == 0)."""
+    """The chunked gated delta rule (gdn.cu: gdn_chunk_prep_dkXX, then gdn_chunk_scan_tc_dkXX, or
+    gdn_chunk_scan_dk256 for DK 256) through scratch indexed by column, in one fp32 allocation of
+    N * HV * (DV + DK + 64 + 4) words (every section starts 16-byte aligned: DV % 8 == 0 and DK % 16 == 0):
+    U [N, HV, DV] fp32, then for DK <= 128 W [N, HV, 2, DK] and QKD [N, HV, 2, 64] as bf16 hi, lo pairs
+    and per-column factors {iq scale e^G, ik e^(G_last - G), e^G_last, 0} [N, HV, 4]; for DK 256
+    W [N, HV, DK], QKD [N, HV, 64] fp32 and {G, iq, ik, 0}."""
     rows = N * HV
     scratch = torch.empty(rows * (DV + DK + _CHUNK + 4), dtype=torch.float32, device=out.device)
     U, W, QKD, info = torch.split(scratch, [rows * DV, rows * DK, rows * _CHUNK, rows * 4])
     scale = float(DK ** -0.5)
     launch(kernel(_SOURCE, f"gdn_chunk_prep_dk{DK}", dev), (-(-longest // _CHUNK), HK, B), (_PREP_THREADS,),
            (U, W, QKD, info, y, a, b, A_log, dt_bias, flags, cu_seqlens, N, HK, HV, DV, scale), device=dev)
-    launch(kernel(_SOURCE, f"gdn_chunk_scan_dk{DK}", dev), (-(-DV // _SCAN_COLS), HV, B), (_SCAN_THREADS,),
-           (out, state, U, W, QKD, info, y, slots, cu_seqlens, fresh, N, HK, HV, DV, scale), device=dev)
+    if DK in _SCAN_TC_DK:
+        w = _scan_tc_warps(DV, HV, B, sm_count(dev))
+        launch(_scan_tc_kernel(DK, dev), (-(-DV // (16 * w)), HV, B), (32 * w,),
+               (out, state, U, W, QKD, info, y, slots, cu_seqlens, fresh, N, HK, HV, DV),
+               shared_mem=_scan_tc_smem(DK), device=dev)
+    else:
+        launch(kernel(_SOURCE, f"gdn_chunk_scan_dk{DK}", dev), (-(-DV // _SCAN_COLS), HV, B), (_SCAN_THREADS,),
+               (out, state, U, W, QKD, info, y, slots, cu_seqlens, fresh, N, HK, HV, DV, scale), device=dev)
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:

@@ -394,7 +394,8 @@ gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, 
 // one step per chunk of 64 columns instead of one per column. Chunk c of a sequence covers its
 // columns lo + 64c .. min(lo + 64c + 64, hi) - 1; a last partial chunk of L < 64 columns behaves as
 // if padded with columns of beta = 0, g = 0 (rows >= L of every chunk matrix are zero), so
-// sequences of any length share one layout with no padding in memory. All maths fp32 on CUDA cores.
+// sequences of any length share one layout with no padding in memory. The prep runs on CUDA cores in
+// fp32; the scan (DK <= 128) on tensor cores in split precision (see "Tensor-core scan" below).
 //
 // Two kernels, through scratch indexed by column n (absolute, 0..N-1) and value head h:
 //   U [N, HV, DV], W [N, HV, DK], QKD [N, HV, 64], info [N, HV] float4 {G, iq, ik, 0}.
@@ -431,10 +432,33 @@ gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, 
 //   one sequence makes 384 blocks (~3 per SM), and a narrower slice would re-read W and q more often.
 //   Launch bounds (128, 4): without a block count ptxas aimed at ~80 registers and spilled.
 
+//
+// Tensor-core scan (gdn_chunk_scan_tc_dkXX, DK <= 128; DK 256 keeps the CUDA-core scan above, whose
+// state slice would not fit in registers). A warp owns 16 value columns of one value head and keeps
+// S^T [16 x DK] in registers as mma.m16n8k16 C fragments across chunks (the C fragments of n-tiles
+// 2k, 2k+1 are the A fragment of k-step k, so S^T feeds the next products without a trip through
+// shared memory). Per chunk, transposed so that the value columns are the mma rows:
+//   V'^T = U^T - S^T W^T;  O^T = (S^T q^T) diag(iq scale e^G) + V'^T QKD^T;
+//   S^T <- e^G_last S^T + (V'^T diag(ik e^(G_last - G))) k
+// W, q, k, QKD and the per-row factors are staged per chunk in shared memory with cp.async (rows >= L
+// zero-filled) and read as B fragments with ldmatrix (k transposed). The prep writes W and QKD as
+// bf16 hi/lo pairs and the factors {iq scale e^G, ik e^(G_last - G), e^G_last} for this kernel.
+// Split precision: an fp32 operand x is split into hi = bf16(x), lo = bf16(x - hi); |x - hi - lo|
+// <= 2^-18 |x|. fp32 x fp32 products (S W, V' QKD) take three mmas, hi hi + hi lo + lo hi (the dropped
+// lo lo term is <= 2^-18 |a b|), so each term carries at most ~3 * 2^-18 = 1.1e-5 relative error, in
+// random directions (fp32 accumulation adds ~2^-24 per step). q and k are bf16 conv outputs, exact:
+// their norms and gates are applied as fp32 row factors outside the mma, so S q and V' k take two
+// mmas (hi, lo of the fp32 side) and lose only the 2^-18 split residue. The state feels the S W and
+// V' k errors, ~1e-5 of a term at worst, mostly cancelling over the DK- and 64-long sums, and the
+// rule is contractive (decay <= 1, (I - beta k k^T)), so errors do not compound over chunks.
+// The products use mma.sync m16n8k16 (sm_80+), about 4x fewer issue slots than the fp32 FMAs per term
+// even with three passes.
+
 #define GDN_CHUNK 64            // columns per chunk
 #define GDN_PREP_THREADS 256
 #define GDN_SCAN_THREADS 128
 #define GDN_SCAN_COLS 16        // value columns of one scan block (two groups of 8)
+#define GDN_SCAN_TC(DK) ((DK) <= 128)   // DK with the tensor-core scan (gdn_chunk_scan_tc_dkXX)
 
 template <int DK>
 __device__ __forceinline__ void gdn_chunk_prep_body(
@@ -572,7 +596,16 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
                 const int i = lane + 32 * e;
                 const float G = s_G[i];
                 s_eG[i] = expf(G);
-                if (i < L) info[(i64_t)(t0 + i) * HV + h] = make_float4(G, s_iq[i], s_ik[i], 0.f);
+                if (i < L) {
+                    if constexpr (GDN_SCAN_TC(DK)) {                // rows >= L have g = 0: G_63 = G_last
+                        const float Gl = s_G[GDN_CHUNK - 1];
+                        info[(i64_t)(t0 + i) * HV + h] =
+                            make_float4(__fmul_rn(__fmul_rn(s_iq[i], scale), s_eG[i]),
+                                        __fmul_rn(s_ik[i], expf(__fsub_rn(Gl, G))), expf(Gl), 0.f);
+                    } else {
+                        info[(i64_t)(t0 + i) * HV + h] = make_float4(G, s_iq[i], s_ik[i], 0.f);
+                    }
+                }
             }
         }
         __syncthreads();
@@ -591,7 +624,17 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
                     const float D = cj <= ri ? expf(__fsub_rn(Gi, s_G[cj])) : 0.f;
                     sA[ri * GDN_CHUNK + cj] =
                         cj < ri ? __fmul_rn(__fmul_rn(bi, s_kk[(4 * r + s) * GDN_PREP_THREADS + tid]), D) : 0.f;
-                    if (ri < L) qkd[(i64_t)ri * HV * GDN_CHUNK + cj] = cj <= ri ? __fmul_rn(qk[r][s], D) : 0.f;
+                    if (ri < L) {
+                        const float x = cj <= ri ? __fmul_rn(qk[r][s], D) : 0.f;
+                        if constexpr (GDN_SCAN_TC(DK)) {            // [n][h][2][64] bf16 hi, lo
+                            bf16_t* qb = reinterpret_cast<bf16_t*>(QKD) + ((i64_t)(t0 + ri) * HV + h) * 128 + cj;
+                            const bf16_t xh = f32_to_bf16(x);
+                            qb[0] = xh;
+                            qb[GDN_CHUNK] = f32_to_bf16(__fsub_rn(x, bf16_to_f32(xh)));
+                        } else {
+                            qkd[(i64_t)ri * HV * GDN_CHUNK + cj] = x;
+                        }
+                    }
                 }
             }
         }
@@ -632,11 +675,22 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
                     x[i] = __fadd_rn(s0, s1);
                 }
             }
-            float* dst = isv ? U + ((i64_t)t0 * HV + h) * DV + col : W + ((i64_t)t0 * HV + h) * DK + (col - DV);
-            const i64_t stride = isv ? (i64_t)HV * DV : (i64_t)HV * DK;
+            if (GDN_SCAN_TC(DK) && !isv) {                     // W [n][h][2][DK] bf16 hi, lo
+                bf16_t* dst = reinterpret_cast<bf16_t*>(W) + ((i64_t)t0 * HV + h) * 2 * DK + (col - DV);
 #pragma unroll
-            for (int i = 0; i < GDN_CHUNK; ++i)
-                if (i < L) dst[i * stride] = x[i];
+                for (int i = 0; i < GDN_CHUNK; ++i)
+                    if (i < L) {
+                        const bf16_t xh = f32_to_bf16(x[i]);
+                        dst[(i64_t)i * HV * 2 * DK] = xh;
+                        dst[(i64_t)i * HV * 2 * DK + DK] = f32_to_bf16(__fsub_rn(x[i], bf16_to_f32(xh)));
+                    }
+            } else {
+                float* dst = isv ? U + ((i64_t)t0 * HV + h) * DV + col : W + ((i64_t)t0 * HV + h) * DK + (col - DV);
+                const i64_t stride = isv ? (i64_t)HV * DV : (i64_t)HV * DK;
+#pragma unroll
+                for (int i = 0; i < GDN_CHUNK; ++i)
+                    if (i < L) dst[i * stride] = x[i];
+            }
         }
     }
 }
@@ -823,7 +877,338 @@ __device__ __forceinline__ void gdn_chunk_scan_body(
     }
 }
 
-#define GDN_CHUNK_KERNELS(DK)                                                                           \
+// ---- Tensor-core scan (DK <= 128). See the note "Tensor-core scan" above the chunked kernels.
+
+// volatile: kept in program order with the cp.async waits and barriers around the tiles they read.
+__device__ __forceinline__ void gdn_ldsm(unsigned a, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void gdn_ldsm_t(unsigned a, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// mma.m16n8k16 bf16 -> fp32 (lane = 4 g + t), as in gemv.cu / prefill_attention.cu:
+//   A a0 = row g (k 2t, 2t+1)  a1 = row g+8 (k 2t, 2t+1)  a2 = row g (k 2t+8, 2t+9)  a3 = row g+8 (k 2t+8, 2t+9)
+//   B b0 = col g (k 2t, 2t+1)  b1 = col g (k 2t+8, 2t+9)
+//   C c0, c1 = row g, cols 2t, 2t+1   c2, c3 = row g+8, cols 2t, 2t+1
+__device__ __forceinline__ void gdn_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x0, x1) -> hi + lo, two bf16x2 words (low half = x0): hi = bf16(x), lo = bf16(x - hi), round to
+// nearest even; |x - hi - lo| <= 2^-18 |x| (bf16 keeps 8 significant bits, and x - hi is exact in fp32).
+__device__ __forceinline__ void gdn_split(float x0, float x1, unsigned& hi, unsigned& lo) {
+    asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(x1), "f"(x0));
+    const float r0 = __fsub_rn(x0, __uint_as_float(hi << 16));
+    const float r1 = __fsub_rn(x1, __uint_as_float(hi & 0xffff0000u));
+    asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
+}
+
+// Byte offset of 16-byte chunk c of row r in a bf16 tile of D columns, chunks XOR-swizzled by the row
+// so that the 8 rows of an ldmatrix phase (consecutive rows, one logical chunk) hit 8 bank groups.
+template <int D>
+__device__ __forceinline__ unsigned gdn_swz(int r, int c) {
+    constexpr int M = (D / 8 < 8 ? D / 8 : 8) - 1;
+    return (unsigned)(r * D + ((c ^ (r & M)) << 3)) * 2u;
+}
+
+// ldmatrix (x4) lane roles in a tile of D bf16 columns: lane l addresses row l & 7 of matrix l >> 3.
+// Non-transposed B loads (W, q, QKD: chunk rows are the n index) take matrices {rows 0-7, 8-15} x
+// {chunk 2e, 2e+1} as row = 8 (m >> 1) + (l & 7), chunk 2e + (m & 1); transposed ones (k: chunk rows
+// are the k index) row = 8 (m & 1) + (l & 7), chunk 2e + (m >> 1). o[e] = byte offset of that row and
+// chunk (gdn_swz, as the tiles were stored) for e = 0..3; whole steps of 16 rows add 32 D bytes and
+// chunk + 8 adds 128 bytes (the XOR reads the row's low 3 bits and changes the chunk's low 3 bits only).
+// The lane index comes in through an opaque move at each use, so the offsets live only in the loop
+// that reads them.
+template <int D>
+__device__ __forceinline__ void gdn_lane_offs(int lane, bool trans, unsigned (&o)[4]) {
+    const int m = lane >> 3, r = (trans ? 8 * (m & 1) : 8 * (m >> 1)) + (lane & 7), cb = trans ? m >> 1 : m & 1;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = gdn_swz<D>(r, 2 * e + cb);
+}
+
+// Dynamic shared memory of the tensor-core scan: W hi, W lo, q, k [64][DK] bf16, QKD hi, lo [64][64]
+// bf16, the per-row factors [64] float4.
+#define GDN_SCAN_TC_SMEM(DK) (4 * GDN_CHUNK * (DK) * 2 + 2 * GDN_CHUNK * GDN_CHUNK * 2 + GDN_CHUNK * 16)
+
+template <int DK>
+__device__ __forceinline__ void gdn_chunk_scan_tc_body(
+    bf16_t* __restrict__ out,          // [N, HV, DV]
+    float* __restrict__ state,         // [S, HV, DK, DV]
+    const float* __restrict__ U,       // [N, HV, DV]
+    const bf16_t* __restrict__ Wp,     // [N, HV, 2, DK] W hi, lo
+    const bf16_t* __restrict__ QKDp,   // [N, HV, 2, 64] QKD hi, lo
+    const float4* __restrict__ info,   // [N, HV] {iq scale e^G, ik e^(G_last - G), e^G_last, 0}
+    const bf16_t* __restrict__ y,
+    const int* __restrict__ slots, const int* __restrict__ cu_seqlens, const int* __restrict__ fresh,
+    int N, int HK, int HV, int DV)
+{
+    constexpr int NT = DK / 8;                         // n-tiles of the state (d)
+    constexpr int KS = DK / 16;                        // k-steps over d
+    constexpr int NQ = DK >= 128 ? 4 : 2;              // groups of chunk rows per chunk (see the rows below)
+    constexpr unsigned TB = GDN_CHUNK * DK * 2;        // bytes of a [64][DK] bf16 tile
+    constexpr unsigned DB = GDN_CHUNK * GDN_CHUNK * 2; // bytes of a [64][64] bf16 tile
+    extern __shared__ __align__(16) unsigned char gdn_smem[];
+    const unsigned sWh = smem_u32(gdn_smem), sWl = sWh + TB, sQ = sWh + 2 * TB, sK = sWh + 3 * TB;
+    const unsigned sDh = sWh + 4 * TB, sDl = sDh + DB, sInf = sDl + DB;
+    const float4* s_info = reinterpret_cast<const float4*>(gdn_smem + 4 * TB + 2 * DB);
+
+    // An opaque copy of an index: addresses derived from it are recomputed where they are used instead
+    // of being kept in registers from an earlier use (e.g. the state addresses across the whole scan).
+    auto opaque = [](int x) {
+        int r;
+        asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+        return r;
+    };
+    const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, bseq = blockIdx.z;
+    const int lo = cu_seqlens[bseq], hi = cu_seqlens[bseq + 1];
+    if (lo < 0 || hi > N || hi <= lo) return;                                  // block-uniform
+    const int hk = h / (HV / HK);
+    const i64_t C = (i64_t)2 * HK * DK + (i64_t)HV * DV;
+    const int slot = slots[bseq];
+    const bool zero = fresh[bseq] != 0 || slot < 0;
+    // this warp: value columns vb .. vb+15 (the mma M rows); a lane holds columns v0 = vb+g, v1 = vb+g+8
+    const int vb = (blockIdx.x * (nthr >> 5) + warp) * 16;
+    const int v0 = vb + g, v1 = v0 + 8;
+    const bool ok0 = v0 < DV, ok1 = v1 < DV;
+
+    // Tile loads. W and q are read by the first products of a chunk, k, QKD and the factors by the
+    // last ones; each group is reissued for the next chunk as soon as every warp is done with it.
+    // The thread index goes through an opaque move in each call: the copy addresses are loop invariant,
+    // and hoisted out of the chunk loop they would hold registers all along.
+    auto issue_wq = [&](int t0, int L) {
+        const int tid = opaque(threadIdx.x);
+        for (int idx = tid; idx < GDN_CHUNK * (DK / 4); idx += nthr) {         // W: 2 DK / 8 chunks per row
+            const int i = idx / (DK / 4), c = idx - i * (DK / 4);
+            const int part = c / (DK / 8), cc = c - part * (DK / 8);
+            const bool v = i < L;
+            cp_async16((part ? sWl : sWh) + gdn_swz<DK>(i, cc),
+                     v ? Wp + ((i64_t)(t0 + i) * HV + h) * 2 * DK + 8 * c : Wp, v ? 16u : 0u);
+        }
+        for (int idx = tid; idx < GDN_CHUNK * (DK / 8); idx += nthr) {         // q (raw conv output)
+            const int i = idx / (DK / 8), c = idx - i * (DK / 8);
+            const bool v = i < L;
+            cp_async16(sQ + gdn_swz<DK>(i, c), v ? y + (i64_t)(t0 + i) * C + (i64_t)hk * DK + 8 * c : y,
+                     v ? 16u : 0u);
+        }
+    };
+    auto issue_kd = [&](int t0, int L) {
+        const int tid = opaque(threadIdx.x);
+        for (int idx = tid; idx < GDN_CHUNK * (DK / 8); idx += nthr) {         // k (raw conv output)
+            const int i = idx / (DK / 8), c = idx - i * (DK / 8);
+            const bool v = i < L;
+            cp_async16(sK + gdn_swz<DK>(i, c),
+                     v ? y + (i64_t)(t0 + i) * C + (i64_t)(HK + hk) * DK + 8 * c : y, v ? 16u : 0u);
+        }
+        for (int idx = tid; idx < GDN_CHUNK * 16; idx += nthr) {               // QKD: 16 chunks per row
+            const int i = idx >> 4, c = idx & 15;
+            const bool v = i < L;
+            cp_async16(((c >> 3) ? sDl : sDh) + gdn_swz<GDN_CHUNK>(i, c & 7),
+                     v ? QKDp + ((i64_t)(t0 + i) * HV + h) * 128 + 8 * c : QKDp, v ? 16u : 0u);
+        }
+        for (int i = tid; i < GDN_CHUNK; i += nthr) {                          // factors (rows >= L: 0)
+            const bool v = i < L;
+            cp_async16(sInf + 16 * i, v ? info + (i64_t)(t0 + i) * HV + h : info, v ? 16u : 0u);
+        }
+    };
+
+    // S^T [16 value columns x DK] as mma C fragments: st[n][0..1] = S[d = 8n + 2t, +1][v0],
+    // st[n][2..3] = S[d, d+1][v1]. The C fragments of n-tiles 2k, 2k+1 are the A fragment of k-step k.
+    float* sp = state + ((i64_t)(slot < 0 ? 0 : slot) * HV + h) * DK * DV;
+    float st[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const i64_t d = 8 * n + 2 * t;
+        st[n][0] = !zero && ok0 ? sp[d * DV + v0] : 0.f;
+        st[n][1] = !zero && ok0 ? sp[(d + 1) * DV + v0] : 0.f;
+        st[n][2] = !zero && ok1 ? sp[d * DV + v1] : 0.f;
+        st[n][3] = !zero && ok1 ? sp[(d + 1) * DV + v1] : 0.f;
+    }
+
+    const int nch = (hi - lo + GDN_CHUNK - 1) / GDN_CHUNK;
+    issue_wq(lo, min(GDN_CHUNK, hi - lo));
+    issue_kd(lo, min(GDN_CHUNK, hi - lo));
+    cp_async_commit();
+    for (int c = 0; c < nch; ++c) {
+        const int t0 = lo + c * GDN_CHUNK, L = min(GDN_CHUNK, hi - t0);
+        const int t1 = t0 + GDN_CHUNK, L1 = min(GDN_CHUNK, hi - t1);          // next chunk (if c + 1 < nch)
+
+        cp_async_wait<0>();
+        __syncthreads();                               // this chunk's tiles landed (every thread's copies)
+
+        // NQ groups of 64 / NQ chunk rows (group hq: n-tiles 8/NQ hq ..). Group hq computes
+        // V'^T = U^T - S^T W^T for its rows (vt[n], starting from U^T: vt[n][0..1] = U[i = 8n + 2t, +1][v0],
+        // vt[n][2..3] at v1) and, in the same pass over k-steps (one split of S^T serves W and q), the
+        // first term of its O^T rows, -S^T q^T, in ot; then O^T = (S^T q^T) diag(iq scale e^G) + V'^T QKD^T,
+        // where QKD is lower triangular, so a group reads the V' columns of its own and earlier rows only.
+        // Groups bound the live O accumulators (8 / NQ n-tiles) at the price of one split of S^T per group:
+        // DK 128 needs quarters to stay within 255 registers without spills.
+        // Row i = 8n + 2t is valid iff 8n < Lt (i + 1 iff 8n + 1 < Lt): compares with constants. The row
+        // stride and the lane's row go through opaque moves each chunk: derived from loop invariants, the
+        // row addresses would be hoisted out of the chunk loop and held throughout.
+        const i64_t rs = opaque(HV * DV);              // U / out row stride (elements)
+        const int tr = opaque(t), Lt = L - 2 * tr;
+        float vt[8][4];
+#pragma unroll
+        for (int hq = 0; hq < NQ; ++hq) {
+            float ot[8 / NQ][4];
+#pragma unroll
+            for (int n = 8 / NQ * hq; n < 8 / NQ * (hq + 1); ++n) {
+                const float* u = U + ((i64_t)(t0 + 2 * tr) * HV + h) * DV + 8 * n * rs;
+                vt[n][0] = 8 * n < Lt && ok0 ? u[v0] : 0.f;
+                vt[n][1] = 8 * n + 1 < Lt && ok0 ? u[rs + v0] : 0.f;
+                vt[n][2] = 8 * n < Lt && ok1 ? u[v1] : 0.f;
+                vt[n][3] = 8 * n + 1 < Lt && ok1 ? u[rs + v1] : 0.f;
+                ot[n - 8 / NQ * hq][0] = ot[n - 8 / NQ * hq][1] = ot[n - 8 / NQ * hq][2] = ot[n - 8 / NQ * hq][3] = 0.f;
+            }
+
+            // vt += (-S^T) W^T: three split products (W and S both fp32); ot += (-S^T) q^T: two (q exact)
+            unsigned ow[4];
+            gdn_lane_offs<DK>(opaque(lane), false, ow);
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                unsigned ah[4], al[4];
+                gdn_split(-st[2 * kk][0], -st[2 * kk][1], ah[0], al[0]);
+                gdn_split(-st[2 * kk][2], -st[2 * kk][3], ah[1], al[1]);
+                gdn_split(-st[2 * kk + 1][0], -st[2 * kk + 1][1], ah[2], al[2]);
+                gdn_split(-st[2 * kk + 1][2], -st[2 * kk + 1][3], ah[3], al[3]);
+#pragma unroll
+                for (int pp = 0; pp < 4 / NQ; ++pp) {  // chunk rows i = 16p .. 16p+15: n-tiles 2p, 2p+1
+                    const int p = 4 / NQ * hq + pp;
+                    const unsigned off = ow[kk & 3] + 32 * DK * p + 128 * (kk >> 2);   // row 16p + .., chunk 2kk + ..
+                    unsigned b[4];
+                    gdn_ldsm(sWh + off, b);
+                    gdn_mma(vt[2 * p], ah, b[0], b[1]);
+                    gdn_mma(vt[2 * p + 1], ah, b[2], b[3]);
+                    gdn_mma(vt[2 * p], al, b[0], b[1]);
+                    gdn_mma(vt[2 * p + 1], al, b[2], b[3]);
+                    gdn_ldsm(sWl + off, b);
+                    gdn_mma(vt[2 * p], ah, b[0], b[1]);
+                    gdn_mma(vt[2 * p + 1], ah, b[2], b[3]);
+                    gdn_ldsm(sQ + off, b);
+                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
+                    gdn_mma(ot[2 * pp], al, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], al, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 8 / NQ; ++n) {         // ot = (S^T q^T) diag(iq scale e^G)
+                const int i = 64 / NQ * hq + 8 * n + 2 * t;
+                const float f0 = -s_info[i].x, f1 = -s_info[i + 1].x;
+                ot[n][0] = __fmul_rn(ot[n][0], f0);
+                ot[n][1] = __fmul_rn(ot[n][1], f1);
+                ot[n][2] = __fmul_rn(ot[n][2], f0);
+                ot[n][3] = __fmul_rn(ot[n][3], f1);
+            }
+            // ot += V'^T QKD^T over QKD columns j = 16kj .. 16kj+15 (rows i < 16kj, p < kj, skip: zeros)
+            unsigned od[4];
+            gdn_lane_offs<GDN_CHUNK>(opaque(lane), false, od);
+#pragma unroll
+            for (int kj = 0; kj < 4 / NQ * (hq + 1); ++kj) {
+                unsigned ah[4], al[4];
+                gdn_split(vt[2 * kj][0], vt[2 * kj][1], ah[0], al[0]);
+                gdn_split(vt[2 * kj][2], vt[2 * kj][3], ah[1], al[1]);
+                gdn_split(vt[2 * kj + 1][0], vt[2 * kj + 1][1], ah[2], al[2]);
+                gdn_split(vt[2 * kj + 1][2], vt[2 * kj + 1][3], ah[3], al[3]);
+#pragma unroll
+                for (int pp = 0; pp < 4 / NQ; ++pp) {
+                    const int p = 4 / NQ * hq + pp;
+                    if (p < kj) continue;
+                    const unsigned off = od[kj] + 32 * GDN_CHUNK * p;    // row 16p + .., chunk 2kj + ..
+                    unsigned b[4];
+                    gdn_ldsm(sDh + off, b);
+                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
+                    gdn_mma(ot[2 * pp], al, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], al, b[2], b[3]);
+                    gdn_ldsm(sDl + off, b);
+                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
+                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int n = 8 / NQ * hq; n < 8 / NQ * (hq + 1); ++n) {
+                bf16_t* o = out + ((i64_t)(t0 + 2 * tr) * HV + h) * DV + 8 * n * rs;
+                if (8 * n < Lt) {
+                    if (ok0) o[v0] = f32_to_bf16(ot[n - 8 / NQ * hq][0]);
+                    if (ok1) o[v1] = f32_to_bf16(ot[n - 8 / NQ * hq][2]);
+                }
+                if (8 * n + 1 < Lt) {
+                    if (ok0) o[rs + v0] = f32_to_bf16(ot[n - 8 / NQ * hq][1]);
+                    if (ok1) o[rs + v1] = f32_to_bf16(ot[n - 8 / NQ * hq][3]);
+                }
+            }
+        }
+        __syncthreads();                               // every warp done with W and q
+        if (c + 1 < nch) {
+            issue_wq(t1, L1);
+            cp_async_commit();
+        }
+
+        // S^T <- e^G_last S^T + (V'^T diag(ik e^(G_last - G))) k   (k exact in bf16: 2 products)
+        const float eL = s_info[0].z;                  // row 0 is always valid (L >= 1)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[n][e] = __fmul_rn(st[n][e], eL);
+        unsigned okk[4];
+        gdn_lane_offs<DK>(opaque(lane), true, okk);
+#pragma unroll
+        for (int ki = 0; ki < 4; ++ki) {               // chunk rows i = 16ki .. 16ki+15
+            const float fa = s_info[16 * ki + 2 * t].y, fb = s_info[16 * ki + 2 * t + 1].y;
+            const float fc = s_info[16 * ki + 8 + 2 * t].y, fd = s_info[16 * ki + 9 + 2 * t].y;
+            unsigned ah[4], al[4];
+            gdn_split(__fmul_rn(vt[2 * ki][0], fa), __fmul_rn(vt[2 * ki][1], fb), ah[0], al[0]);
+            gdn_split(__fmul_rn(vt[2 * ki][2], fa), __fmul_rn(vt[2 * ki][3], fb), ah[1], al[1]);
+            gdn_split(__fmul_rn(vt[2 * ki + 1][0], fc), __fmul_rn(vt[2 * ki + 1][1], fd), ah[2], al[2]);
+            gdn_split(__fmul_rn(vt[2 * ki + 1][2], fc), __fmul_rn(vt[2 * ki + 1][3], fd), ah[3], al[3]);
+#pragma unroll
+            for (int p = 0; p < KS; ++p) {             // state rows d = 16p .. 16p+15: n-tiles 2p, 2p+1
+                unsigned bk[4];
+                gdn_ldsm_t(sK + okk[p & 3] + 32 * DK * ki + 128 * (p >> 2), bk);     // row 16ki + .., chunk 2p + ..
+                gdn_mma(st[2 * p], ah, bk[0], bk[1]);
+                gdn_mma(st[2 * p + 1], ah, bk[2], bk[3]);
+                gdn_mma(st[2 * p], al, bk[0], bk[1]);
+                gdn_mma(st[2 * p + 1], al, bk[2], bk[3]);
+            }
+        }
+        __syncthreads();                               // every warp done with k, QKD and the factors
+        if (c + 1 < nch) {
+            issue_kd(t1, L1);
+            cp_async_commit();
+        }
+    }
+
+    // The slot and the state address are read / computed again rather than kept across the chunk loop.
+    const int slot_out = slots[opaque(bseq)];
+    if (slot_out >= 0) {
+        float* so = state + ((i64_t)slot_out * HV + h) * DK * DV;
+        const int to = opaque(t);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const i64_t d = 8 * n + 2 * to;
+            float* sp = so;
+            if (ok0) {
+                sp[d * DV + v0] = st[n][0];
+                sp[(d + 1) * DV + v0] = st[n][1];
+            }
+            if (ok1) {
+                sp[d * DV + v1] = st[n][2];
+                sp[(d + 1) * DV + v1] = st[n][3];
+            }
+        }
+    }
+}
+
+#define GDN_CHUNK_PREP_KERNEL(DK)                                                                       \
     extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2) gdn_chunk_prep_dk##DK(            \
         float* __restrict__ U, float* __restrict__ W, float* __restrict__ QKD, float4* __restrict__ info, \
         const bf16_t* __restrict__ y, const bf16_t* __restrict__ a, const bf16_t* __restrict__ b,       \
@@ -831,7 +1216,10 @@ __device__ __forceinline__ void gdn_chunk_scan_body(
         const int* __restrict__ cu_seqlens, int N, int HK, int HV, int DV, float scale) {               \
         gdn_chunk_prep_body<DK>(U, W, QKD, info, y, a, b, A_log, dt_bias, flags, cu_seqlens, N, HK, HV,  \
                                 DV, scale);                                                             \
-    }                                                                                                   \
+    }
+
+// the CUDA-core scan (DK 256)
+#define GDN_CHUNK_SCAN_KERNEL(DK)                                                                       \
     extern "C" __global__ void __launch_bounds__(GDN_SCAN_THREADS, 4) gdn_chunk_scan_dk##DK(               \
         bf16_t* __restrict__ out, float* __restrict__ state, const float* __restrict__ U,               \
         const float* __restrict__ W, const float* __restrict__ QKD, const float4* __restrict__ info,    \
@@ -841,8 +1229,24 @@ __device__ __forceinline__ void gdn_chunk_scan_body(
                                 scale);                                                                 \
     }
 
-GDN_CHUNK_KERNELS(16)
-GDN_CHUNK_KERNELS(32)
-GDN_CHUNK_KERNELS(64)
-GDN_CHUNK_KERNELS(128)
-GDN_CHUNK_KERNELS(256)
+// the tensor-core scan (DK <= 128): 32 * warps threads (1..4 warps, 16 value columns each), dynamic
+// shared memory GDN_SCAN_TC_SMEM(DK)
+#define GDN_CHUNK_SCAN_TC_KERNEL(DK)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128, 1) gdn_chunk_scan_tc_dk##DK(                       \
+        bf16_t* __restrict__ out, float* __restrict__ state, const float* __restrict__ U,               \
+        const bf16_t* __restrict__ W, const bf16_t* __restrict__ QKD, const float4* __restrict__ info,  \
+        const bf16_t* __restrict__ y, const int* __restrict__ slots, const int* __restrict__ cu_seqlens, \
+        const int* __restrict__ fresh, int N, int HK, int HV, int DV) {                                 \
+        gdn_chunk_scan_tc_body<DK>(out, state, U, W, QKD, info, y, slots, cu_seqlens, fresh, N, HK, HV, DV); \
+    }
+
+GDN_CHUNK_PREP_KERNEL(16)
+GDN_CHUNK_PREP_KERNEL(32)
+GDN_CHUNK_PREP_KERNEL(64)
+GDN_CHUNK_PREP_KERNEL(128)
+GDN_CHUNK_PREP_KERNEL(256)
+GDN_CHUNK_SCAN_TC_KERNEL(16)
+GDN_CHUNK_SCAN_TC_KERNEL(32)
+GDN_CHUNK_SCAN_TC_KERNEL(64)
+GDN_CHUNK_SCAN_TC_KERNEL(128)
+GDN_CHUNK_SCAN_KERNEL(256)
