@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
 MAX_FAST_COLUMNS = 16
+# a long step's leading short sequences (decodes beside prefill chunks) take the split decode kernel;
+# False sends them through the prefill kernel with the chunks (scripts/bench/decode.py --mixed compares)
+MIXED_DECODE_KERNEL = True
 WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "nvfp4")
 
 # linear layers that quantisation on load converts (suffixes of canonical names)
@@ -324,12 +327,30 @@ class CudaHybridModel(HybridModel):
     def _prefill_attention(self, q: Tensor, gate: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
                            k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
         """Gated attention [N, H*D] of a long step's columns (q, gate from _attention_in): the
-        tensor-core prefill kernel over every sequence of the step at once."""
-        batch = db.host
-        return ca.prefill_attention_batched(
-            q, k_pool, v_pool, db.page_tables, db.positions, db.cu_seqlens, self.spec.head_dim ** -0.5, gate,
-            max_columns=max(batch.columns), max_len=max(s + c for s, c in zip(batch.starts, batch.columns)),
-            k_scale=k_scale, v_scale=v_scale)
+        tensor-core prefill kernel over every sequence of the step at once.
+
+        A step that mixes decodes with prefill chunks (the scheduler puts the decoding sequences
+        first) sends its leading run of short sequences (<= MAX_FAST_COLUMNS columns) to the decode
+        kernel instead: it splits a long context over the key axis, where the prefill kernel gives a
+        sequence's last query tile one CTA per kv head that walks the whole context alone, which set
+        the step's pace for a long-context decode."""
+        batch, scale = db.host, self.spec.head_dim ** -0.5
+        d = next((i for i, c in enumerate(batch.columns) if c > MAX_FAST_COLUMNS), len(batch.columns))
+        d = d if MIXED_DECODE_KERNEL else 0
+        nd = sum(batch.columns[:d])
+        ends = [s + c for s, c in zip(batch.starts, batch.columns)]
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        if d:
+            ca.decode_attention(q[:nd], k_pool, v_pool, db.page_tables, db.positions[:nd], db.seq_of_col[:nd],
+                                scale, gate[:nd], out=out[:nd], max_len_hint=max(ends[:d]), k_scale=k_scale,
+                                v_scale=v_scale)
+        if d < len(batch.columns):
+            cu = db.cu_seqlens[d:] - nd if d else db.cu_seqlens
+            ca.prefill_attention_batched(
+                q[nd:], k_pool, v_pool, db.page_tables[d:], db.positions[nd:], cu, scale, gate[nd:],
+                max_columns=max(batch.columns[d:]), max_len=max(ends[d:]), out=out[nd:], k_scale=k_scale,
+                v_scale=v_scale)
+        return out
 
     def _attention_in(self, p: str, h: Tensor, positions: Tensor, seq_of_col: Tensor, page_tables: Tensor,
                       k_pool: Tensor, v_pool: Tensor, k_scale: Tensor | None, v_scale: Tensor | None):

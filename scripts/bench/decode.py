@@ -13,7 +13,9 @@ that quotient is the floor, and floor / step is the fraction of it reached. Pref
 of each --prefill length in --prefill-chunk columns per step, run twice (the second run is the figure;
 the first, with its one-off compiles and library plans, is kept in the JSON), tokens/s and the fraction
 of the dense bf16 matmul rate measured in the same run (FLOPs: 2 x the layers' 2-D weights x tokens,
-plus the head for the last token). --hf: Hugging Face transformers on the same config with random bf16
+plus the head for the last token). --mixed CONTEXT: a step carrying --mixed-decodes decodes at CONTEXT
+tokens beside one prefill chunk, with the decodes on the split decode kernel and on the prefill kernel.
+--hf: Hugging Face transformers on the same config with random bf16
 weights (decode steps at each C) in the same run.
 
 Prints a table and writes JSON (configuration, device, commit, results) to --out.
@@ -151,6 +153,46 @@ def time_prefill(model, state, length: int, chunk: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def time_mixed(model, spec, context: int, C: int, chunk: int, steps: int) -> dict:
+    """Steps that carry C decodes at `context` tokens beside one `chunk`-column prefill chunk (the
+    scheduler's mixed steps), with the decodes on the split decode kernel and, for comparison, on the
+    prefill kernel with the chunk; the chunk alone and the decodes alone for reference. Medians of
+    `steps` CUDA-event-timed steps (the state is overwritten in place; timing only)."""
+    from ranks import model_cuda
+    per = (context + 1 + PAGE_SIZE - 1) // PAGE_SIZE
+    cp = (chunk + PAGE_SIZE - 1) // PAGE_SIZE
+    state = ModelState(spec, C + 1, C * per + cp, torch.bfloat16, "cuda", with_mtp=False)
+    tables = torch.zeros(C + 1, max(per, cp), dtype=torch.int32)
+    for b in range(C):
+        tables[b, :per] = torch.arange(b * per, (b + 1) * per)
+    tables[C, :cp] = torch.arange(C * per, C * per + cp)
+    ids = torch.randint(0, spec.vocab_size, (C + chunk,))
+    batches = dict(
+        mixed=Batch(ids, [1] * C + [chunk], [context] * C + [0], list(range(C + 1)), tables),
+        chunk=Batch(ids[C:], [chunk], [0], [C], tables[C:]),
+        decodes=Batch(ids[:C], [1] * C, [context] * C, list(range(C)), tables[:C]))
+    out = {}
+    for name, batch, on_decode in (("mixed", batches["mixed"], True), ("mixed_prefill_kernel", batches["mixed"], False),
+                                   ("chunk_alone", batches["chunk"], True), ("decodes_alone", batches["decodes"], True)):
+        model_cuda.MIXED_DECODE_KERNEL = on_decode
+        try:
+            ts = []
+            for i in range(steps + 1):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                model.forward(batch, state, logits="last")
+                e1.record()
+                e1.synchronize()
+                if i:
+                    ts.append(e0.elapsed_time(e1) / 1e3)
+            out[name] = statistics.median(ts)
+        finally:
+            model_cuda.MIXED_DECODE_KERNEL = True
+    del state
+    torch.cuda.empty_cache()
+    return out
+
+
 def hf_decode(spec_name: str, layers: int | None, concurrency: list[int], context: int, steps: int,
               device: str = "cuda") -> dict:
     """transformers on the same config, random bf16 weights, decode step time at each C."""
@@ -201,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="tokens already in each sequence")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", type=int, nargs="*", default=[8192])
-    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--prefill-chunk", type=int, nargs="+", default=[2048],
+                    help="columns per prefill step; several values time each --prefill length with each "
+                         "(the first also sizes --mixed's chunk)")
+    ap.add_argument("--mixed", type=int, nargs="*", default=[], metavar="CONTEXT",
+                    help="bf16: time steps of --mixed-decodes decodes at CONTEXT tokens beside one "
+                         "--prefill-chunk chunk (decodes on the decode kernel vs on the prefill kernel)")
+    ap.add_argument("--mixed-decodes", type=int, default=4)
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--gemv-columns", type=int, default=None,
                     help="route bf16 linears with more columns than this to cuBLAS (default: the route table)")
@@ -226,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
           f"copy {bw['copy_Bps'] / 1e12:.2f} TB/s (read + write); "
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     res = dict(model=args.model, layers=spec.num_layers, gemv_columns=dict(cuda_linear.GEMV_COLUMNS), device=props.name, commit=commit,
-               date=time.strftime("%Y-%m-%d"), bandwidth=bw, matmul_flops=mm, decode=[], prefill=[], hf={})
+               date=time.strftime("%Y-%m-%d"), bandwidth=bw, matmul_flops=mm, decode=[], prefill=[], mixed=[], hf={})
     t0 = time.perf_counter()
     base = random_shard(spec, 0, 1, dtype=torch.bfloat16, device="cuda")
     _fuse_gate_up(base)                                  # once, so each format's model shares it
@@ -253,17 +301,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{fmt:6s} C={C:3d} step {t * 1e3:8.2f} ms  {C / t:8.1f} tok/s  floor {floor * 1e3:7.2f} ms  "
                   f"{floor / t:6.1%} of floor", flush=True)
         if fmt == "bf16":
+            # the layers' matmuls run on every token; the head only on the last one
+            active = sum(v.numel() for k, v in model.w.items()
+                         if isinstance(v, torch.Tensor) and v.dim() == 2 and not k.startswith("mtp.")
+                         and "embed" not in k and k != "lm_head.weight")
             for L in args.prefill:
-                first, t = time_prefill(model, state, L, args.prefill_chunk)
-                # the layers' matmuls run on every token; the head only on the last one
-                active = sum(v.numel() for k, v in model.w.items()
-                             if isinstance(v, torch.Tensor) and v.dim() == 2 and not k.startswith("mtp.")
-                             and "embed" not in k and k != "lm_head.weight")
-                rate = 2 * (active * L + model.head.numel()) / t
-                res["prefill"].append(dict(tokens=L, chunk=args.prefill_chunk, s=t, first_s=first, tok_s=L / t,
-                                           flops=rate, of_matmul=rate / mm))
-                print(f"prefill {L:6d} tokens: {t:7.2f} s  {L / t:9.0f} tok/s  {rate / mm:6.1%} of matmul rate "
-                      f"(first run {first:.2f} s)", flush=True)
+                for chunk in args.prefill_chunk:
+                    first, t = time_prefill(model, state, L, chunk)
+                    rate = 2 * (active * L + model.head.numel()) / t
+                    res["prefill"].append(dict(tokens=L, chunk=chunk, s=t, first_s=first, tok_s=L / t,
+                                               flops=rate, of_matmul=rate / mm))
+                    print(f"prefill {L:6d} tokens in {chunk}-column steps: {t:7.2f} s  {L / t:9.0f} tok/s  "
+                          f"{rate / mm:6.1%} of matmul rate (first run {first:.2f} s)", flush=True)
+            if args.mixed:
+                del state
+                gc.collect()
+                torch.cuda.empty_cache()
+                state = None
+            for L in args.mixed:
+                chunk = args.prefill_chunk[0]
+                m = time_mixed(model, spec, L, args.mixed_decodes, chunk, max(3, args.steps // 2))
+                res["mixed"].append(dict(context=L, decodes=args.mixed_decodes, chunk=chunk,
+                                         **{k + "_s": v for k, v in m.items()}))
+                print(f"mixed step, {args.mixed_decodes} decodes at {L} tokens + a {chunk}-column chunk: "
+                      f"{m['mixed'] * 1e3:.1f} ms (decodes through the prefill kernel: "
+                      f"{m['mixed_prefill_kernel'] * 1e3:.1f} ms; chunk alone {m['chunk_alone'] * 1e3:.1f} ms, "
+                      f"decodes alone {m['decodes_alone'] * 1e3:.1f} ms)", flush=True)
         del model, weights, state
         gc.collect()
         torch.cuda.empty_cache()
