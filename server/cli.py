@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="activation and weight dtype (default float32 on cpu, bfloat16 on cuda)")
-    g.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prefill columns per step")
+    g.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help=f"prefill columns per step (default {CUDA_PREFILL_CHUNK} on cuda, {CPU_PREFILL_CHUNK} on cpu)")
     g.add_argument("--tp", type=_positive_int, default=1,
                    help="tensor-parallel ranks (1 runs in this process; N > 1 starts N rank processes)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract per token present in the output")
@@ -101,6 +102,25 @@ def add_backend_arguments(p) -> None:
                         "NCCL, or the CPU mailbox (default auto: mailbox unless its startup probe is slow)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights built on the device from config.json alone (benchmarks, smoke tests)")
+
+
+# Columns per step when not given. The GPU's matmuls want long prefill chunks (27B bf16, an 8 192-token
+# prompt on one H200: 1.14 s in 256-column steps, 0.91 s in 512, 0.85 s in 1 024, 0.82 s in 2 048;
+# docs/perf.md); the CPU's reference program gains nothing past a few hundred. On cuda a step holds a
+# whole chunk beside a decode column of every running sequence.
+CUDA_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 256
+CPU_MAX_STEP_TOKENS = 1024
+
+
+def step_sizes(args) -> tuple[int, int]:
+    """(prefill_chunk, max_step_tokens) from the flags, or the device's defaults; max_step_tokens is
+    at least max_concurrency (every running sequence decodes each step)."""
+    cuda = str(args.device).startswith("cuda")
+    concurrency = getattr(args, "max_concurrency", 1)
+    chunk = args.prefill_chunk or (CUDA_PREFILL_CHUNK if cuda else CPU_PREFILL_CHUNK)
+    step = getattr(args, "max_step_tokens", None) or (chunk + concurrency if cuda else CPU_MAX_STEP_TOKENS)
+    return chunk, max(step, concurrency)
 
 
 def default_dtype(args) -> str:
@@ -145,10 +165,12 @@ def add_serve_parser(sub) -> None:
                    help=f"seconds a request may wait for a slot (default {d.pending_timeout_s:g})")
     s.add_argument("--max-context", type=_positive_int, default=None,
                    help="prompt + output tokens per sequence (default min(max_position_embeddings, 8192))")
-    s.add_argument("--prefill-chunk", type=_positive_int, default=d.prefill_chunk,
-                   help=f"prefill columns per sequence per step (default {d.prefill_chunk})")
-    s.add_argument("--max-step-tokens", type=_positive_int, default=d.max_step_tokens,
-                   help=f"columns per step, all sequences together (default {d.max_step_tokens})")
+    s.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help=f"prefill columns per sequence per step (default {CUDA_PREFILL_CHUNK} on cuda, "
+                        f"{CPU_PREFILL_CHUNK} on cpu)")
+    s.add_argument("--max-step-tokens", type=_positive_int, default=None,
+                   help=f"columns per step, all sequences together (default on cuda: the prefill chunk + "
+                        f"max-concurrency; on cpu {CPU_MAX_STEP_TOKENS}; never below max-concurrency)")
     s.add_argument("--kv-capacity", type=_positive_int, default=None,
                    help="tokens of KV in the pool (default max-concurrency x max-context)")
     s.add_argument("--threads-per-rank", type=_positive_int, default=None,
@@ -284,13 +306,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             model = build_model(model_dir, getattr(torch, args.dtype), args.device, backend=args.backend,
                                 weights=args.weights, cuda_graphs=args.cuda_graphs,
                                 random_weights=args.random_weights)
-            gen = LocalGenerator(model, prefill_chunk=args.prefill_chunk, kv_dtype=args.kv_dtype)
+            gen = LocalGenerator(model, prefill_chunk=step_sizes(args)[0], kv_dtype=args.kv_dtype)
             for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
                 emit(token)
         else:
             from runtime import Engine, EngineError, EngineOptions
 
-            options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
+            chunk, step = step_sizes(args)
+            options = EngineOptions(max_concurrency=1, prefill_chunk=chunk, max_step_tokens=step,
+                                    log_level=args.log_level,
                                     spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
                                     backend=args.backend, weights=args.weights,
                                     kv_dtype=args.kv_dtype,

@@ -56,3 +56,21 @@ def test_reference_backend_still_generates_on_cpu(capsys):
                  "--backend", "reference"]) == 0
     ids = capsys.readouterr().out.strip().splitlines()[-1].split(",")
     assert len(ids) == 3 and all(i.isdigit() for i in ids)
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["serve"], (256, 1024)),                                                   # cpu defaults
+    (["serve", "--device", "cuda"], (2048, 2048 + 8)),                          # a chunk beside 8 decodes
+    (["serve", "--device", "cuda", "--max-concurrency", "32"], (2048, 2048 + 32)),
+    (["serve", "--device", "cuda", "--prefill-chunk", "512"], (512, 512 + 8)),
+    (["serve", "--device", "cuda", "--max-step-tokens", "300"], (2048, 300)),
+    (["serve", "--max-concurrency", "2000"], (256, 2000)),                      # never below the decodes
+    (["serve", "--prefill-chunk", "64", "--max-step-tokens", "100"], (64, 100)),
+    (["generate", "--prompt-ids", "1", "--device", "cuda:1"], (2048, 2049)),
+    (["generate", "--prompt-ids", "1"], (256, 1024)),
+])
+def test_step_sizes_follow_the_device(flags, want):
+    """Prefill chunk and step budget: given flags win; otherwise long chunks on cuda (the GPU's matmuls)
+    and short ones on cpu."""
+    from server.cli import build_parser, step_sizes
+    assert step_sizes(build_parser().parse_args(flags)) == want
