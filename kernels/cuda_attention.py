@@ -50,6 +50,11 @@ _KV_GROUP = 64                   # channels per int8 scale
 _COMBINE_THREADS = 64
 _MIN_CHUNK = 64                  # keys per split at least (H200, 27B C=1: 256 left 32 CTAs and 10% of the step)
 _WAVES = 2                       # aim for this many CTAs per SM when choosing splits
+# keys per split at most, for long contexts: a CTA streams its keys with ~8 KiB of loads in flight,
+# so a long context needs many CTAs per SM to cover HBM latency (27B, 4 decodes at 32k keys in a
+# 64k-key graph bucket: 17 splits of 3 904 keys left ~1 CTA per SM busy); bounded by the scratch
+_MAX_CHUNK = 512
+_SPLIT_SCRATCH = 32 << 20        # bytes of fp32 partial sums per call at most (wide batches: fewer splits)
 
 __all__ = ["qk_norm_rope_kv_write", "decode_attention", "prefill_attention", "prefill_attention_batched",
            "choose_splits"]
@@ -167,16 +172,20 @@ def _head_chunk(groups: int, max_chunk: int = _ATT_MAXG) -> int:
 
 
 def choose_splits(n_cols: int, kv_heads: int, groups: int, max_len: int, sms: int,
-                  max_chunk: int = _ATT_MAXG) -> tuple[int, int]:
+                  max_chunk: int = _ATT_MAXG, head_dim: int = 256) -> tuple[int, int]:
     """(splits, chunk): key splits per (column, kv head) and keys per split (a multiple of 64).
 
-    Enough CTAs for ~_WAVES per SM, but no split shorter than _MIN_CHUNK keys of the bound max_len.
-    The kernel's last split runs to the true length, so a bound that is too small stays correct.
+    Enough CTAs for ~_WAVES per SM, but no split shorter than _MIN_CHUNK keys of the bound max_len;
+    and no split longer than _MAX_CHUNK keys while the partial sums (n_cols x heads x splits x
+    head_dim fp32) stay within _SPLIT_SCRATCH. The kernel's last split runs to the true length, so a
+    bound that is too small stays correct.
     """
     max_len = max(int(max_len), 1)
     ctas = max(1, n_cols * kv_heads * (groups // _head_chunk(groups, max_chunk)))
     want = max(1, -(-_WAVES * sms // ctas))
     splits = max(1, min(want, -(-max_len // _MIN_CHUNK)))
+    per_split = max(1, n_cols * kv_heads * groups * (head_dim + 2) * 4)
+    splits = max(splits, min(-(-max_len // _MAX_CHUNK), _SPLIT_SCRATCH // per_split))
     chunk = -(-max_len // splits)
     chunk = -(-chunk // PAGE_SIZE) * PAGE_SIZE
     return -(-max_len // chunk), chunk
@@ -249,7 +258,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     GC = _head_chunk(G, max_chunk)
     bound = page_tables.shape[1] * PAGE_SIZE
     max_len = bound if max_len_hint is None else max(1, min(int(max_len_hint), bound))
-    S, chunk = choose_splits(N, KV, G, max_len, L.sm_count(dev), max_chunk)
+    S, chunk = choose_splits(N, KV, G, max_len, L.sm_count(dev), max_chunk, D)
     if S > 1:
         part_ml = torch.empty(N, H, S, 2, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(N, H, S, D, dtype=torch.float32, device=q.device)
