@@ -109,3 +109,33 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// ldmatrix .x4 (sm_75+): four 8x8 b16 tiles from shared memory, one row address per lane (lanes 8i..8i+7:
+// tile i); _t transposes them. volatile: kept in program order with the cp.async waits and barriers
+// around the tiles they read.
+__device__ __forceinline__ void ldsm_x4(unsigned a, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned a, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// c += A B, mma.sync m16n8k16, bf16 in, fp32 accumulate (sm_80+). Fragments (lane = 4 g + t; PTX ISA
+// layout for m16n8k16 .bf16):
+//   A a0 = row g (k 2t, 2t+1)  a1 = row g+8 (k 2t, 2t+1)  a2 = row g (k 2t+8, 2t+9)  a3 = row g+8 (k 2t+8, 2t+9)
+//   B b0 = col g (k 2t, 2t+1)  b1 = col g (k 2t+8, 2t+9)
+//   C c0, c1 = row g, cols 2t, 2t+1   c2, c3 = row g+8, cols 2t, 2t+1
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma_bf16_16816(c, a[0], a[1], a[2], a[3], b0, b1);
+}

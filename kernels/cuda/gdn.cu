@@ -879,27 +879,6 @@ __device__ __forceinline__ void gdn_chunk_scan_body(
 
 // ---- Tensor-core scan (DK <= 128). See the note "Tensor-core scan" above the chunked kernels.
 
-// volatile: kept in program order with the cp.async waits and barriers around the tiles they read.
-__device__ __forceinline__ void gdn_ldsm(unsigned a, unsigned (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void gdn_ldsm_t(unsigned a, unsigned (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// mma.m16n8k16 bf16 -> fp32 (lane = 4 g + t), as in gemv.cu / prefill_attention.cu:
-//   A a0 = row g (k 2t, 2t+1)  a1 = row g+8 (k 2t, 2t+1)  a2 = row g (k 2t+8, 2t+9)  a3 = row g+8 (k 2t+8, 2t+9)
-//   B b0 = col g (k 2t, 2t+1)  b1 = col g (k 2t+8, 2t+9)
-//   C c0, c1 = row g, cols 2t, 2t+1   c2, c3 = row g+8, cols 2t, 2t+1
-__device__ __forceinline__ void gdn_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // (x0, x1) -> hi + lo, two bf16x2 words (low half = x0): hi = bf16(x), lo = bf16(x - hi), round to
 // nearest even; |x - hi - lo| <= 2^-18 |x| (bf16 keeps 8 significant bits, and x - hi is exact in fp32).
 __device__ __forceinline__ void gdn_split(float x0, float x1, unsigned& hi, unsigned& lo) {
@@ -907,6 +886,21 @@ __device__ __forceinline__ void gdn_split(float x0, float x1, unsigned& hi, unsi
     const float r0 = __fsub_rn(x0, __uint_as_float(hi << 16));
     const float r1 = __fsub_rn(x1, __uint_as_float(hi & 0xffff0000u));
     asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
+}
+
+// c0, c1 (two n-tiles of 8) += (ah + al) (Bh + Bl) in split bf16, less the al Bl term (below the
+// fp32 accumulation's rounding): Bh and Bl are the ldmatrix .x4 tiles at shared addresses bh and bl.
+__device__ __forceinline__ void gdn_mma_split(float (&c0)[4], float (&c1)[4], const unsigned (&ah)[4],
+                                              const unsigned (&al)[4], unsigned bh, unsigned bl) {
+    unsigned b[4];
+    ldsm_x4(bh, b);
+    mma_bf16_16816(c0, ah, b[0], b[1]);
+    mma_bf16_16816(c1, ah, b[2], b[3]);
+    mma_bf16_16816(c0, al, b[0], b[1]);
+    mma_bf16_16816(c1, al, b[2], b[3]);
+    ldsm_x4(bl, b);
+    mma_bf16_16816(c0, ah, b[0], b[1]);
+    mma_bf16_16816(c1, ah, b[2], b[3]);
 }
 
 // Byte offset of 16-byte chunk c of row r in a bf16 tile of D columns, chunks XOR-swizzled by the row
@@ -1083,20 +1077,13 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
                 for (int pp = 0; pp < 4 / NQ; ++pp) {  // chunk rows i = 16p .. 16p+15: n-tiles 2p, 2p+1
                     const int p = 4 / NQ * hq + pp;
                     const unsigned off = ow[kk & 3] + 32 * DK * p + 128 * (kk >> 2);   // row 16p + .., chunk 2kk + ..
+                    gdn_mma_split(vt[2 * p], vt[2 * p + 1], ah, al, sWh + off, sWl + off);
                     unsigned b[4];
-                    gdn_ldsm(sWh + off, b);
-                    gdn_mma(vt[2 * p], ah, b[0], b[1]);
-                    gdn_mma(vt[2 * p + 1], ah, b[2], b[3]);
-                    gdn_mma(vt[2 * p], al, b[0], b[1]);
-                    gdn_mma(vt[2 * p + 1], al, b[2], b[3]);
-                    gdn_ldsm(sWl + off, b);
-                    gdn_mma(vt[2 * p], ah, b[0], b[1]);
-                    gdn_mma(vt[2 * p + 1], ah, b[2], b[3]);
-                    gdn_ldsm(sQ + off, b);
-                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
-                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
-                    gdn_mma(ot[2 * pp], al, b[0], b[1]);
-                    gdn_mma(ot[2 * pp + 1], al, b[2], b[3]);
+                    ldsm_x4(sQ + off, b);
+                    mma_bf16_16816(ot[2 * pp], ah, b[0], b[1]);
+                    mma_bf16_16816(ot[2 * pp + 1], ah, b[2], b[3]);
+                    mma_bf16_16816(ot[2 * pp], al, b[0], b[1]);
+                    mma_bf16_16816(ot[2 * pp + 1], al, b[2], b[3]);
                 }
             }
 #pragma unroll
@@ -1123,15 +1110,7 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
                     const int p = 4 / NQ * hq + pp;
                     if (p < kj) continue;
                     const unsigned off = od[kj] + 32 * GDN_CHUNK * p;    // row 16p + .., chunk 2kj + ..
-                    unsigned b[4];
-                    gdn_ldsm(sDh + off, b);
-                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
-                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
-                    gdn_mma(ot[2 * pp], al, b[0], b[1]);
-                    gdn_mma(ot[2 * pp + 1], al, b[2], b[3]);
-                    gdn_ldsm(sDl + off, b);
-                    gdn_mma(ot[2 * pp], ah, b[0], b[1]);
-                    gdn_mma(ot[2 * pp + 1], ah, b[2], b[3]);
+                    gdn_mma_split(ot[2 * pp], ot[2 * pp + 1], ah, al, sDh + off, sDl + off);
                 }
             }
 #pragma unroll
@@ -1173,11 +1152,11 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
 #pragma unroll
             for (int p = 0; p < KS; ++p) {             // state rows d = 16p .. 16p+15: n-tiles 2p, 2p+1
                 unsigned bk[4];
-                gdn_ldsm_t(sK + okk[p & 3] + 32 * DK * ki + 128 * (p >> 2), bk);     // row 16ki + .., chunk 2p + ..
-                gdn_mma(st[2 * p], ah, bk[0], bk[1]);
-                gdn_mma(st[2 * p + 1], ah, bk[2], bk[3]);
-                gdn_mma(st[2 * p], al, bk[0], bk[1]);
-                gdn_mma(st[2 * p + 1], al, bk[2], bk[3]);
+                ldsm_x4_t(sK + okk[p & 3] + 32 * DK * ki + 128 * (p >> 2), bk);     // row 16ki + .., chunk 2p + ..
+                mma_bf16_16816(st[2 * p], ah, bk[0], bk[1]);
+                mma_bf16_16816(st[2 * p + 1], ah, bk[2], bk[3]);
+                mma_bf16_16816(st[2 * p], al, bk[0], bk[1]);
+                mma_bf16_16816(st[2 * p + 1], al, bk[2], bk[3]);
             }
         }
         __syncthreads();                               // every warp done with k, QKD and the factors

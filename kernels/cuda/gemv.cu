@@ -376,14 +376,6 @@ GEMV_KERNEL(gemv_nvfp4h_t16, KIND_NVFP4H, 16)
 //        bits (e2m1: 2, e4m3: 4) and lies in [2^-18, 2^4], so it is exact and normal. The epilogue
 //        multiplies by 2^8 * global scale.
 
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
     unsigned d;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));

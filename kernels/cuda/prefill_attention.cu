@@ -69,28 +69,6 @@ __device__ __forceinline__ unsigned pf_pack(float lo, float hi) {
 }
 
 
-// volatile: kept in program order with the cp.async waits and barriers around the tiles they read.
-__device__ __forceinline__ void pf_ldsm(unsigned a, unsigned (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void pf_ldsm_t(unsigned a, unsigned (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// Fragment layout of mma.m16n8k16 .bf16 (lane = 4 g + t), as in gemv.cu:
-//   A a0 = row g (k 2t, 2t+1)  a1 = row g+8 (k 2t, 2t+1)  a2 = row g (k 2t+8, 2t+9)  a3 = row g+8 (k 2t+8, 2t+9)
-//   B b0 = col g (k 2t, 2t+1)  b1 = col g (k 2t+8, 2t+9)
-//   C c0, c1 = row g, cols 2t, 2t+1   c2, c3 = row g+8, cols 2t, 2t+1
-__device__ __forceinline__ void pf_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Shared byte offset of 16-byte chunk c of row r in a swizzled bf16 tile of D columns.
 template <int D>
 __device__ __forceinline__ unsigned pf_swz(int r, int c) {
@@ -325,13 +303,13 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) {
                 unsigned a[4];
-                pf_ldsm(qb[kk & 3] + (unsigned)((kk >> 2) << 7), a);
+                ldsm_x4(qb[kk & 3] + (unsigned)((kk >> 2) << 7), a);
 #pragma unroll
                 for (int np = 0; np < 4; ++np) {
                     unsigned bb[4];
-                    pf_ldsm(kb[kk & 3] + (unsigned)(np * 32 * D + ((kk >> 2) << 7)), bb);
-                    pf_mma(s[2 * np], a, bb[0], bb[1]);
-                    pf_mma(s[2 * np + 1], a, bb[2], bb[3]);
+                    ldsm_x4(kb[kk & 3] + (unsigned)(np * 32 * D + ((kk >> 2) << 7)), bb);
+                    mma_bf16_16816(s[2 * np], a, bb[0], bb[1]);
+                    mma_bf16_16816(s[2 * np + 1], a, bb[2], bb[3]);
                 }
             }
             if (j * PF_PAGE + PF_PAGE - 1 > pmn) {                       // the tile reaches past some row
@@ -409,9 +387,9 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
 #pragma unroll
                 for (int dp = 0; dp < D / 16; ++dp) {
                     unsigned bb[4];
-                    pf_ldsm_t(vb[dp & 3] + (unsigned)(kk * 32 * D + ((dp >> 2) << 7)), bb);
-                    pf_mma(o[2 * dp], pa[kk], bb[0], bb[1]);
-                    pf_mma(o[2 * dp + 1], pa[kk], bb[2], bb[3]);
+                    ldsm_x4_t(vb[dp & 3] + (unsigned)(kk * 32 * D + ((dp >> 2) << 7)), bb);
+                    mma_bf16_16816(o[2 * dp], pa[kk], bb[0], bb[1]);
+                    mma_bf16_16816(o[2 * dp + 1], pa[kk], bb[2], bb[3]);
                 }
             }
         }
