@@ -2,7 +2,7 @@
 # One lent GPU session's worth of checks, in parts that each fit a 10-minute command:
 #
 #   scripts/gpu-session.sh tests-a OUT   the GPU test suite (not slow) without the model, spec-round and tp 2
-#                                        modules, log in OUT/tests-a/ (~300 s on an H200 pair)
+#                                        modules, log in OUT/tests-a/ (~400 s on an H200 pair)
 #   scripts/gpu-session.sh tests-b OUT   those three modules (two GPUs for tp 2), log in OUT/tests-b/
 #   scripts/gpu-session.sh decode OUT    one GPU: 27B decode (bf16, fp8, nvfp4) + prefill, 35B-A3B decode,
 #                                        the decode-step profile, the quantised GEMV variants, speculation on the demo model
@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 B=scripts/bench
 case "$PART" in
   tests-a|tests-b)
-    # the suite in two halves (~300 s each on an H200 pair; the whole no longer fits one command):
+    # the suite in two halves (~400 s and ~300 s on an H200 pair; the whole, ~690 s, no longer fits one command):
     # b = the model, speculation-round and tp 2 modules, a = every other module with gpu tests
     HEAVY="tests/test_cuda_model.py tests/test_cuda_spec_round.py tests/test_cuda_tp2.py"
     if [ "$PART" = tests-b ]; then FILES=$HEAVY
