@@ -270,6 +270,117 @@ qk_norm_rope_kv_write_i8(bf16_t* __restrict__ q_out, i8_t* __restrict__ k_pool, 
 #define ATT_U 2
 #define ATT_MAXD 256
 
+// The end of a split CTA, both pool formats (E dims per lane: 8 for bf16, 16 for int8): the lane
+// groups of a warp merge by shuffles (same dims, different keys); the warps through shared memory
+// (common max, rescale, then a fixed-order tree); warp 0's owner lanes (lanes 0..LPK-1, dims
+// [E sl, E sl + E)) write the gated output (a single split) or the split's (max, sum, acc) partials.
+template <int GC, int E>
+__device__ __forceinline__ void attn_split_finish(float (&m)[GC], float (&l)[GC], float (&acc)[GC][E],
+                                                  float (&red_m)[ATT_WARPS][GC], float (&red_l)[ATT_WARPS][GC],
+                                                  float (&red_acc)[ATT_WARPS / 2][GC][ATT_MAXD], int LPK, int lane,
+                                                  int warp, int lg, int sl, bf16_t* __restrict__ out,
+                                                  float* __restrict__ part_ml, float* __restrict__ part_acc,
+                                                  const bf16_t* __restrict__ gate, int n, int s, int S, int H, int D,
+                                                  int h0, i64_t gate_s0, i64_t gate_s1) {
+    for (int o = LPK; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mx = fmaxf(m[g], m2);
+            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
+            const float c1 = fast_exp2(m[g] - ms), c2 = fast_exp2(m2 - ms);
+            m[g] = mx;
+            l[g] = l[g] * c1 + l2 * c2;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float a2 = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+                acc[g][e] = acc[g][e] * c1 + a2 * c2;
+            }
+        }
+    }
+
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) red_m[warp][g] = m[g];
+    }
+    __syncthreads();
+    float M[GC];
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        float mx = red_m[0][g];
+#pragma unroll
+        for (int w = 1; w < ATT_WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
+        M[g] = mx;                                           // finite: the split has >= 1 key
+        const float c = fast_exp2(m[g] - mx);                // 0 for a warp without keys
+        l[g] *= c;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] *= c;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) red_l[warp][g] = l[g];
+    }
+    const bool owner = lg == 0;                              // lanes 0..LPK-1 hold the warp's dims
+#pragma unroll
+    for (int width = ATT_WARPS / 2; width >= 1; width >>= 1) {
+        if (warp >= width && warp < 2 * width && owner) {
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                float4* dst = reinterpret_cast<float4*>(&red_acc[warp - width][g][sl * E]);
+#pragma unroll
+                for (int i = 0; i < E / 4; ++i)
+                    dst[i] = make_float4(acc[g][4 * i], acc[g][4 * i + 1], acc[g][4 * i + 2], acc[g][4 * i + 3]);
+            }
+        }
+        __syncthreads();
+        if (warp < width && owner) {
+#pragma unroll
+            for (int g = 0; g < GC; ++g) {
+                const float4* src = reinterpret_cast<const float4*>(&red_acc[warp][g][sl * E]);
+#pragma unroll
+                for (int i = 0; i < E / 4; ++i) {
+                    const float4 a = src[i];
+                    acc[g][4 * i] += a.x; acc[g][4 * i + 1] += a.y; acc[g][4 * i + 2] += a.z; acc[g][4 * i + 3] += a.w;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (warp != 0 || !owner) return;
+
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+        float lsum = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) lsum += red_l[w][g];
+        const int h = h0 + g;
+        if (S == 1) {                                        // single split: gated output directly
+            const float inv = __fdividef(1.f, lsum);
+            const uint4* gp = reinterpret_cast<const uint4*>(gate + n * gate_s0 + h * gate_s1 + sl * E);
+            uint4* op = reinterpret_cast<uint4*>(out + ((i64_t)n * H + h) * D + sl * E);
+#pragma unroll
+            for (int i = 0; i < E / 8; ++i) {
+                float gf[8], o[8];
+                unpack8(gp[i], gf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = gated(acc[g][8 * i + e] * inv, gf[e]);
+                op[i] = pack8(o);
+            }
+        } else {
+            const i64_t p = ((i64_t)n * H + h) * S + s;
+            if (sl == 0) {
+                part_ml[2 * p] = M[g];
+                part_ml[2 * p + 1] = lsum;
+            }
+            float4* dst = reinterpret_cast<float4*>(part_acc + p * D + sl * E);
+#pragma unroll
+            for (int i = 0; i < E / 4; ++i)
+                dst[i] = make_float4(acc[g][4 * i], acc[g][4 * i + 1], acc[g][4 * i + 2], acc[g][4 * i + 3]);
+        }
+    }
+}
+
 template <int GC>
 __device__ __forceinline__ void attn_split(bf16_t* __restrict__ out, float* __restrict__ part_ml,
                                            float* __restrict__ part_acc, const bf16_t* __restrict__ q,
@@ -370,97 +481,8 @@ __device__ __forceinline__ void attn_split(bf16_t* __restrict__ out, float* __re
         }
     }
 
-    // Merge the lane groups of the warp (same dims, different keys).
-    for (int o = LPK; o < 32; o <<= 1) {
-#pragma unroll
-        for (int g = 0; g < GC; ++g) {
-            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mx = fmaxf(m[g], m2);
-            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
-            const float c1 = fast_exp2(m[g] - ms), c2 = fast_exp2(m2 - ms);
-            m[g] = mx;
-            l[g] = l[g] * c1 + l2 * c2;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float a2 = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-                acc[g][e] = acc[g][e] * c1 + a2 * c2;
-            }
-        }
-    }
-
-    // Merge the warps: common max, rescale, then a fixed-order tree over shared memory.
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < GC; ++g) red_m[warp][g] = m[g];
-    }
-    __syncthreads();
-    float M[GC];
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-        float mx = red_m[0][g];
-#pragma unroll
-        for (int w = 1; w < ATT_WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
-        M[g] = mx;                                           // finite: the split has >= 1 key
-        const float c = fast_exp2(m[g] - mx);                // 0 for a warp without keys
-        l[g] *= c;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] *= c;
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < GC; ++g) red_l[warp][g] = l[g];
-    }
-    const bool owner = lg == 0;                              // lanes 0..LPK-1 hold the warp's dims
-#pragma unroll
-    for (int width = ATT_WARPS / 2; width >= 1; width >>= 1) {
-        if (warp >= width && warp < 2 * width && owner) {
-#pragma unroll
-            for (int g = 0; g < GC; ++g) {
-                float4* dst = reinterpret_cast<float4*>(&red_acc[warp - width][g][sl * 8]);
-                dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-                dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-            }
-        }
-        __syncthreads();
-        if (warp < width && owner) {
-#pragma unroll
-            for (int g = 0; g < GC; ++g) {
-                const float4* src = reinterpret_cast<const float4*>(&red_acc[warp][g][sl * 8]);
-                const float4 a = src[0], b = src[1];
-                acc[g][0] += a.x; acc[g][1] += a.y; acc[g][2] += a.z; acc[g][3] += a.w;
-                acc[g][4] += b.x; acc[g][5] += b.y; acc[g][6] += b.z; acc[g][7] += b.w;
-            }
-        }
-        __syncthreads();
-    }
-    if (warp != 0 || !owner) return;
-
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-        float lsum = 0.f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) lsum += red_l[w][g];
-        const int h = h0 + g;
-        if (S == 1) {                                        // single split: gated output directly
-            const float inv = __fdividef(1.f, lsum);
-            const bf16_t* gp = gate + n * gate_s0 + h * gate_s1 + sl * 8;
-            float gf[8], o[8];
-            unpack8(*reinterpret_cast<const uint4*>(gp), gf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o[e] = gated(acc[g][e] * inv, gf[e]);
-            *reinterpret_cast<uint4*>(out + ((i64_t)n * H + h) * D + sl * 8) = pack8(o);
-        } else {
-            const i64_t p = ((i64_t)n * H + h) * S + s;
-            if (sl == 0) {
-                part_ml[2 * p] = M[g];
-                part_ml[2 * p + 1] = lsum;
-            }
-            float4* dst = reinterpret_cast<float4*>(part_acc + p * D + sl * 8);
-            dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-            dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-        }
-    }
+    attn_split_finish<GC, 8>(m, l, acc, red_m, red_l, red_acc, LPK, lane, warp, lg, sl, out, part_ml, part_acc, gate,
+                              n, s, S, H, D, h0, gate_s0, gate_s1);
 }
 
 #define ATT_SPLIT_KERNEL(GC)                                                                          \
@@ -624,105 +646,8 @@ __device__ __forceinline__ void attn_split_i8(bf16_t* __restrict__ out, float* _
         }
     }
 
-    // Merge the lane groups of the warp (same dims, different keys).
-    for (int o = LPK; o < 32; o <<= 1) {
-#pragma unroll
-        for (int g = 0; g < GC; ++g) {
-            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mx = fmaxf(m[g], m2);
-            const float ms = mx == ATT_NEG_INF ? 0.f : mx;
-            const float c1 = fast_exp2(m[g] - ms), c2 = fast_exp2(m2 - ms);
-            m[g] = mx;
-            l[g] = l[g] * c1 + l2 * c2;
-#pragma unroll
-            for (int e = 0; e < 16; ++e) {
-                const float a2 = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-                acc[g][e] = acc[g][e] * c1 + a2 * c2;
-            }
-        }
-    }
-
-    // Merge the warps: common max, rescale, then a fixed-order tree over shared memory.
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < GC; ++g) red_m[warp][g] = m[g];
-    }
-    __syncthreads();
-    float M[GC];
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-        float mx = red_m[0][g];
-#pragma unroll
-        for (int w = 1; w < ATT_WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
-        M[g] = mx;                                           // finite: the split has >= 1 key
-        const float c = fast_exp2(m[g] - mx);                // 0 for a warp without keys
-        l[g] *= c;
-#pragma unroll
-        for (int e = 0; e < 16; ++e) acc[g][e] *= c;
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < GC; ++g) red_l[warp][g] = l[g];
-    }
-    const bool owner = lg == 0;                              // lanes 0..LPK-1 hold the warp's dims
-#pragma unroll
-    for (int width = ATT_WARPS / 2; width >= 1; width >>= 1) {
-        if (warp >= width && warp < 2 * width && owner) {
-#pragma unroll
-            for (int g = 0; g < GC; ++g) {
-                float4* dst = reinterpret_cast<float4*>(&red_acc[warp - width][g][sl * 16]);
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    dst[i] = make_float4(acc[g][4 * i], acc[g][4 * i + 1], acc[g][4 * i + 2], acc[g][4 * i + 3]);
-            }
-        }
-        __syncthreads();
-        if (warp < width && owner) {
-#pragma unroll
-            for (int g = 0; g < GC; ++g) {
-                const float4* src = reinterpret_cast<const float4*>(&red_acc[warp][g][sl * 16]);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float4 a = src[i];
-                    acc[g][4 * i] += a.x; acc[g][4 * i + 1] += a.y; acc[g][4 * i + 2] += a.z; acc[g][4 * i + 3] += a.w;
-                }
-            }
-        }
-        __syncthreads();
-    }
-    if (warp != 0 || !owner) return;
-
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-        float lsum = 0.f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) lsum += red_l[w][g];
-        const int h = h0 + g;
-        if (S == 1) {                                        // single split: gated output directly
-            const float inv = __fdividef(1.f, lsum);
-            const uint4* gp = reinterpret_cast<const uint4*>(gate + n * gate_s0 + h * gate_s1 + sl * 16);
-            uint4* op = reinterpret_cast<uint4*>(out + ((i64_t)n * H + h) * D + sl * 16);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                float gf[8], o[8];
-                unpack8(gp[i], gf);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[e] = gated(acc[g][8 * i + e] * inv, gf[e]);
-                op[i] = pack8(o);
-            }
-        } else {
-            const i64_t p = ((i64_t)n * H + h) * S + s;
-            if (sl == 0) {
-                part_ml[2 * p] = M[g];
-                part_ml[2 * p + 1] = lsum;
-            }
-            float4* dst = reinterpret_cast<float4*>(part_acc + p * D + sl * 16);
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                dst[i] = make_float4(acc[g][4 * i], acc[g][4 * i + 1], acc[g][4 * i + 2], acc[g][4 * i + 3]);
-        }
-    }
+    attn_split_finish<GC, 16>(m, l, acc, red_m, red_l, red_acc, LPK, lane, warp, lg, sl, out, part_ml, part_acc, gate,
+                              n, s, S, H, D, h0, gate_s0, gate_s1);
 }
 
 #define ATT_SPLIT_I8_KERNEL(GC)                                                                       \
