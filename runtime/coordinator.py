@@ -165,6 +165,8 @@ class Coordinator:
         log.info("%d rank(s) ready: %s", self.tp, {r: dict(pid=m.pid, weight_bytes=m.weight_bytes,
                                                             state_bytes=m.state_bytes, **m.runtime)
                                                     for r, m in ready.items()})
+        log.info("steps: up to %d sequences, %d columns per step, prefill chunks of %d columns",
+                 self.config.max_concurrency, self.config.max_step_tokens, self.config.prefill_chunk)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping.is_set() and self._thread is None:
