@@ -27,7 +27,7 @@ import time
 import zmq
 
 from runtime.config import PAGE_SIZE, load_spec
-from runtime.engine import EngineError, Event
+from runtime.engine import EngineError, Event, step_sizes
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, Status
@@ -54,10 +54,11 @@ class Coordinator:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings "
                              f"{self.spec.max_position_embeddings}")
         kv_tokens = options.kv_capacity or options.max_concurrency * max_context
+        chunk, step = step_sizes(device, options.max_concurrency, options.prefill_chunk, options.max_step_tokens)
         self.config = SchedulerConfig(
             max_concurrency=options.max_concurrency, max_pending=options.max_pending,
-            pending_timeout_s=options.pending_timeout_s, prefill_chunk=options.prefill_chunk,
-            max_step_tokens=options.max_step_tokens, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context,
+            pending_timeout_s=options.pending_timeout_s, prefill_chunk=chunk,
+            max_step_tokens=step, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context,
             spec_draft_tokens=options.spec_draft_tokens)
         self.scheduler = Scheduler(self.config)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 
+from runtime.engine import CPU_MAX_STEP_TOKENS, CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK, step_sizes
+
 log = logging.getLogger("tandem")
 
 
@@ -102,25 +104,6 @@ def add_backend_arguments(p) -> None:
                         "NCCL, or the CPU mailbox (default auto: mailbox unless its startup probe is slow)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights built on the device from config.json alone (benchmarks, smoke tests)")
-
-
-# Columns per step when not given. The GPU's matmuls want long prefill chunks (27B bf16, an 8 192-token
-# prompt on one H200: 1.14 s in 256-column steps, 0.91 s in 512, 0.85 s in 1 024, 0.82 s in 2 048;
-# docs/perf.md); the CPU's reference program gains nothing past a few hundred. On cuda a step holds a
-# whole chunk beside a decode column of every running sequence.
-CUDA_PREFILL_CHUNK = 2048
-CPU_PREFILL_CHUNK = 256
-CPU_MAX_STEP_TOKENS = 1024
-
-
-def step_sizes(args) -> tuple[int, int]:
-    """(prefill_chunk, max_step_tokens) from the flags, or the device's defaults; max_step_tokens is
-    at least max_concurrency (every running sequence decodes each step)."""
-    cuda = str(args.device).startswith("cuda")
-    concurrency = getattr(args, "max_concurrency", 1)
-    chunk = args.prefill_chunk or (CUDA_PREFILL_CHUNK if cuda else CPU_PREFILL_CHUNK)
-    step = getattr(args, "max_step_tokens", None) or (chunk + concurrency if cuda else CPU_MAX_STEP_TOKENS)
-    return chunk, max(step, concurrency)
 
 
 def default_dtype(args) -> str:
@@ -306,15 +289,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             model = build_model(model_dir, getattr(torch, args.dtype), args.device, backend=args.backend,
                                 weights=args.weights, cuda_graphs=args.cuda_graphs,
                                 random_weights=args.random_weights)
-            gen = LocalGenerator(model, prefill_chunk=step_sizes(args)[0], kv_dtype=args.kv_dtype)
+            gen = LocalGenerator(model, prefill_chunk=step_sizes(args.device, 1, args.prefill_chunk)[0],
+                                 kv_dtype=args.kv_dtype)
             for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
                 emit(token)
         else:
             from runtime import Engine, EngineError, EngineOptions
 
-            chunk, step = step_sizes(args)
-            options = EngineOptions(max_concurrency=1, prefill_chunk=chunk, max_step_tokens=step,
-                                    log_level=args.log_level,
+            options = EngineOptions(max_concurrency=1, prefill_chunk=args.prefill_chunk, log_level=args.log_level,
                                     spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
                                     backend=args.backend, weights=args.weights,
                                     kv_dtype=args.kv_dtype,

@@ -71,15 +71,14 @@ def serve(args, argv: list[str]) -> int:
                      f"{spec.max_position_embeddings}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     from ranks.weights import CheckpointError
-    from server.cli import spec_draft_tokens, step_sizes
+    from server.cli import spec_draft_tokens
     try:
         spec_k = spec_draft_tokens(args, model_dir)
     except (ValueError, ConfigError, CheckpointError) as e:
         return _fail(str(e))
-    chunk, step = step_sizes(args)
     options = EngineOptions(max_concurrency=args.max_concurrency, max_pending=args.max_pending,
-                            pending_timeout_s=args.pending_timeout_s, prefill_chunk=chunk,
-                            max_step_tokens=step, max_context=max_context,
+                            pending_timeout_s=args.pending_timeout_s, prefill_chunk=args.prefill_chunk,
+                            max_step_tokens=args.max_step_tokens, max_context=max_context,
                             kv_capacity=args.kv_capacity, threads_per_rank=args.threads_per_rank,
                             log_level=args.log_level, spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
                             backend=args.backend,

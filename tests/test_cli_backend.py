@@ -71,6 +71,14 @@ def test_reference_backend_still_generates_on_cpu(capsys):
 ])
 def test_step_sizes_follow_the_device(flags, want):
     """Prefill chunk and step budget: given flags win; otherwise long chunks on cuda (the GPU's matmuls)
-    and short ones on cpu."""
-    from server.cli import build_parser, step_sizes
-    assert step_sizes(build_parser().parse_args(flags)) == want
+    and short ones on cpu. The CLI passes its flags through unresolved (None when not given); the
+    coordinator resolves them with runtime.engine.step_sizes."""
+    from runtime.engine import step_sizes
+    from server.cli import build_parser
+    a = build_parser().parse_args(flags)
+    assert step_sizes(a.device, getattr(a, "max_concurrency", 1), a.prefill_chunk,
+                      getattr(a, "max_step_tokens", None)) == want
+
+
+def test_engine_options_leave_step_sizes_to_the_device():
+    assert EngineOptions().prefill_chunk is None and EngineOptions().max_step_tokens is None
