@@ -332,8 +332,9 @@ class CudaHybridModel(HybridModel):
         A step that mixes decodes with prefill chunks (the scheduler puts the decoding sequences
         first) sends its leading run of short sequences (<= MAX_FAST_COLUMNS columns) to the decode
         kernel instead: it splits a long context over the key axis, where the prefill kernel gives a
-        sequence's last query tile one CTA per kv head that walks the whole context alone, which set
-        the step's pace for a long-context decode."""
+        sequence's last query tile one CTA per kv head that walks the whole context alone (which sets
+        the step's pace once the context is long enough; 4 decodes at 32k keys beside a 2048-column
+        chunk were 1.6% faster this way, docs/perf.md)."""
         batch, scale = db.host, self.spec.head_dim ** -0.5
         d = next((i for i, c in enumerate(batch.columns) if c > MAX_FAST_COLUMNS), len(batch.columns))
         d = d if MIXED_DECODE_KERNEL else 0
