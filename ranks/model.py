@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -205,6 +206,47 @@ class HybridModel:
             self._kept, self._keep = None, None
         out.kept = kept
         return out
+
+    @torch.inference_mode()
+    def forward_in_parts(self, batch: Batch, state: ModelState, logits: LogitsMode, keep: list[bool]) -> StepOutput:
+        """forward(batch, state, logits, keep_columns=keep) as two steps: the kept sequences, then the
+        others. Sequences of a step share nothing (own slots, pages, positions), so the result is the
+        same up to rounding (matmuls of other shapes); outputs are put back in the batch's order and
+        `kept.seqs` indexes the whole batch. For backends whose fast programs take a verification step
+        or a prefill step but not both at once (a speculation round that carries a prompt chunk)."""
+        B = len(batch.columns)
+        if len(keep) != B:
+            raise ValueError(f"keep has {len(keep)} flags for {B} sequences")
+        starts_at = [0]
+        for c in batch.columns:
+            starts_at.append(starts_at[-1] + c)
+        groups = [[b for b in range(B) if keep[b]], [b for b in range(B) if not keep[b]]]
+        outs, col_order, seq_order = [], [], []
+        for flag, idx in zip((True, False), groups):
+            if not idx:
+                continue
+            cols = [c for b in idx for c in range(starts_at[b], starts_at[b + 1])]
+            sub = Batch(batch.token_ids[cols], [batch.columns[b] for b in idx], [batch.starts[b] for b in idx],
+                        [batch.slots[b] for b in idx], batch.page_tables[idx])
+            out = self.forward(sub, state, logits, keep_columns=flag)
+            if out.kept is not None:
+                out.kept = dataclasses.replace(out.kept, seqs=[idx[i] for i in out.kept.seqs])
+            outs.append(out)
+            col_order += cols
+            seq_order += idx
+        if len(outs) == 1:
+            return outs[0]
+
+        def restore(parts: list[Tensor], order: list[int]) -> Tensor:
+            cat = torch.cat(parts)
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+            return cat.index_select(0, inverse.to(cat.device))
+        hidden = restore([o.hidden for o in outs], col_order)
+        lg = None
+        if outs[0].logits is not None:
+            lg = restore([o.logits for o in outs], col_order if logits == "all" else seq_order)
+        return StepOutput(hidden, lg, outs[0].kept)
 
     @torch.inference_mode()
     def commit(self, kept: KeptColumns, state: ModelState, accepted: list[int]) -> None:

@@ -170,7 +170,11 @@ class CudaHybridModel(HybridModel):
             flags = [True] * len(flags)
         fast = max(batch.columns) <= MAX_FAST_COLUMNS and (all(flags) or not any(flags))
         if not fast:
-            if any(flags):
+            if any(flags) and not all(flags) and max(c for c, f in zip(batch.columns, flags) if f) <= MAX_FAST_COLUMNS:
+                # a speculation step that also carries prompt chunks (or undrafted sequences of more
+                # than one column): the verification on the fast program, the rest as a long step
+                return self.forward_in_parts(batch, state, logits, flags)
+            if any(flags):                  # verification of more than 16 columns (never planned)
                 return super().forward(batch, state, logits, keep_columns)
             with torch.cuda.device(self.device_index):          # a long (prefill) step, eager
                 return self.fast_forward(self.device_batch(batch, long=True), state, logits)

@@ -178,6 +178,42 @@ def test_mixed_prefill_and_decode_steps_match_the_float32_reference(name, seed):
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+def test_speculation_step_with_a_prompt_chunk_matches_the_float32_reference(name, seed):
+    """A verification step that also carries a prompt chunk, as the engine plans one when a request
+    arrives during speculation: the CUDA model runs it in two parts (forward_in_parts: the verification
+    on the fast program, the chunk as a long step); the float32 reference runs it as one step with the
+    same flags. Every column's logits agree, and after the same commit so do the next step's."""
+    spec = SPECS[name]()
+    ref, ref16, model = _models(spec, seed, graphs=True)
+    g = torch.Generator().manual_seed(seed)
+    B, pages = 3, 3
+    tables = page_table(B, pages)
+    prefix = {0: 20, 2: 30}
+    pre = {b: torch.randint(0, spec.vocab_size, (n,), generator=g) for b, n in prefix.items()}
+    columns, starts, flags = [4, 70, 4], [20, 0, 30], [True, False, True]
+    ids = torch.randint(0, spec.vocab_size, (sum(columns),), generator=g)
+    nxt = torch.randint(0, spec.vocab_size, (B,), generator=g)
+    got = []
+    for m in (ref, ref16, model):
+        st = m.new_state(B, B * pages)
+        for b, p in pre.items():
+            m.forward(Batch(p, [len(p)], [0], [b], tables[b:b + 1]), st, logits="none")
+        out = m.forward(Batch(ids, columns, starts, [0, 1, 2], tables), st, logits="all", keep_columns=flags)
+        assert out.kept.seqs == [0, 2], out.kept.seqs
+        step = out.logits.float().cpu()
+        m.commit(out.kept, st, [2, 0])
+        after = m.forward(Batch(nxt, [1] * B, [23, 70, 31], [0, 1, 2], tables), st, logits="last")
+        got.append((step, after.logits.float().cpu()))
+    check = Agreement(f"{name} verification + prompt chunk", spec.is_moe)
+    at = 0
+    for b, c in enumerate(columns):
+        check.add(got[2][0][at:at + c], got[0][0][at:at + c], got[1][0][at:at + c], f"{name} step, seq {b}")
+        at += c
+    check.add(got[2][1], got[0][1], got[1][1], f"{name} the step after the commit")
+    assert check.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
 def test_graph_replay_equals_eager_bit_for_bit(name, seed):
     spec = SPECS[name]()
     from ranks.model_cuda import CudaHybridModel

@@ -142,6 +142,50 @@ def test_kept_forward_leaves_live_state_untouched():
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mode", ["all", "last", "none"])
+def test_forward_in_parts_equals_the_one_step_forward_float64(mode):
+    """forward_in_parts (how the CUDA backend runs a speculation step that also carries a prompt chunk:
+    the verification and the rest as two steps) against forward with the same per-sequence flags in
+    one step: hidden rows and logits in the batch's order, kept.seqs indexing the whole batch, and
+    after commit the same GDN states and KV, so the next step agrees too (float64)."""
+    spec = spec_from_hf(tiny_config(False))
+    model = HybridModel(spec, random_weights(spec, _seed("spec-parts"), dtype=torch.float64))
+    rng = random.Random(_seed("spec-parts-ids"))
+    V, B, pages = spec.vocab_size, 3, 3
+    table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+    prefix = {0: [rng.randrange(V) for _ in range(20)], 2: [rng.randrange(V) for _ in range(30)]}
+    # sequence 0 verifies 4 columns, sequence 1 is a fresh 70-column prompt chunk (crossing the
+    # 64-column GDN chunk), sequence 2 verifies 3 columns: kept and not kept interleaved
+    columns, starts, flags = [4, 70, 3], [20, 0, 30], [True, False, True]
+    ids = torch.tensor([rng.randrange(V) for _ in range(sum(columns))])
+    states, outs = [], []
+    for parts in (False, True):
+        st = model.new_state(num_slots=B, num_pages=B * pages)
+        for b, p in prefix.items():
+            model.forward(Batch(torch.tensor(p), [len(p)], [0], [b], table[b:b + 1]), st, logits="none")
+        batch = Batch(ids, columns, starts, [0, 1, 2], table)
+        out = (model.forward_in_parts(batch, st, mode, flags) if parts
+               else model.forward(batch, st, logits=mode, keep_columns=flags))
+        assert out.kept.seqs == [0, 2] and out.kept.slots == [0, 2]
+        model.commit(out.kept, st, [2, 0])
+        states.append(st)
+        outs.append(out)
+    one, two = outs
+    torch.testing.assert_close(two.hidden, one.hidden, rtol=1e-10, atol=1e-10)
+    if mode == "none":
+        assert one.logits is None and two.logits is None
+    else:
+        assert two.logits.shape == one.logits.shape == ((sum(columns) if mode == "all" else B), V)
+        torch.testing.assert_close(two.logits, one.logits, rtol=1e-10, atol=1e-10)
+    def live(st):
+        return st.recurrent + st.conv + st.k + st.v
+    for x, y in zip(live(states[0]), live(states[1])):
+        torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10)
+    nxt = Batch(torch.tensor([rng.randrange(V) for _ in range(B)]), [1] * B, [23, 70, 31], [0, 1, 2], table)
+    after = [model.forward(nxt, st, logits="last").logits for st in states]
+    torch.testing.assert_close(after[1], after[0], rtol=1e-10, atol=1e-10)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. Greedy identity through the engine (random weights)
 
