@@ -506,6 +506,21 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
     }
 }
 
+// The two weight rows lane (g, t) of row tile `tile` supplies (A rows g and g+8), shared by gemv_*_tc
+// and gemv_*_pipe: rows 16 tile + g, + 8 (mode 0/1), or gate row f = 8 tile + g and up row F + f
+// (mode 2); ok[r]: the row exists (its outputs are stored).
+__device__ __forceinline__ void tc_tile_rows(int mode, int tile, int g, int O, int F, int (&rows)[2],
+                                             bool (&ok)[2]) {
+    if (mode == 2) {
+        const int f = tile * 8 + g;
+        rows[0] = f; rows[1] = F + f;
+        ok[0] = ok[1] = f < F;
+    } else {
+        rows[0] = tile * 16 + g; rows[1] = rows[0] + 8;
+        ok[0] = rows[0] < O; ok[1] = rows[1] < O;
+    }
+}
+
 // The epilogue shared by gemv_*_tc and gemv_*_pipe. Row scales: mul[r] brings row r's partial sums back
 // (nvfp4: 2^8 * global scale; fp8: 2^56, times the row's scale for fp8row; fp8blk scaled per step).
 template <int KIND>
@@ -574,14 +589,7 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
 
     int rows[2];
     bool ok[2];
-    if (mode == 2) {
-        const int f = tile * 8 + g;
-        rows[0] = f; rows[1] = F + f;
-        ok[0] = ok[1] = f < F;
-    } else {
-        rows[0] = tile * 16 + g; rows[1] = rows[0] + 8;
-        ok[0] = rows[0] < O; ok[1] = rows[1] < O;
-    }
+    tc_tile_rows(mode, tile, g, O, F, rows, ok);
 
     // A row past O (or past F) reads row 0: its A values only reach C rows that are never stored.
     // A column 8 nb + g >= T reads column 0: B column g of tile nb only reaches C column 8 nb + g,
@@ -891,14 +899,7 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
 
     int rows[2];
     bool ok[2];
-    if (mode == 2) {
-        const int f = tile * 8 + g;
-        rows[0] = f; rows[1] = F + f;
-        ok[0] = ok[1] = f < F;
-    } else {
-        rows[0] = tile * 16 + g; rows[1] = rows[0] + 8;
-        ok[0] = rows[0] < O; ok[1] = rows[1] < O;
-    }
+    tc_tile_rows(mode, tile, g, O, F, rows, ok);
 
     // As in gemv_tc_body: a row past O (or F) reads row 0 and is never stored; a column g >= T reads
     // column 0 and is never stored.
