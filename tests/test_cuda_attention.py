@@ -511,5 +511,5 @@ def test_decode_attention_tc_graph_capture(seed):
     torch.cuda.synchronize()
     outs = [ops.paged_attention(q[lo:hi].float(), c.k_pool, c.v_pool, c.tables[b], c.positions[lo:hi], D ** -0.5)
             for b, (lo, hi) in enumerate(c.bounds)]
-    ref = torch.cat(outs).reshape(N, H * D) * torch.sigmoid(gate.float())
+    ref = torch.cat(outs).reshape(N, H * D) * torch.sigmoid(gate.float().reshape(N, H * D))   # gate: the [N, H, D] view
     assert rel(out, ref) <= TOL
