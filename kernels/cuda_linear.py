@@ -13,10 +13,15 @@ launches on torch's current stream without host syncs, so it captures into CUDA 
     bytes_read(O, I, T, kind) -> int        (the traffic floor a benchmark divides by)
 
 Variants (TANDEM_GEMV_VARIANT, read by route() at every launch plan, so also at CUDA graph capture):
-"tc" is the route table below; "pipelined" sends quantised launches of <= 8 columns to the
-cp.async-pipelined tensor-core kernels gemv_{fp8row,fp8blk,nvfp4}_pipe wherever they apply (fp8:
-I % 16 == 0, nvfp4: I % 64 == 0), small layers included; "auto" (the default) uses them where they
-were measured faster (pipe_wins): scripts/bench/linear.py --variants times tc against pipelined.
+"tc" is the route table below; "pipelined" sends launches of <= 8 columns to the cp.async-pipelined
+tensor-core kernels gemv_{bf16,fp8row,fp8blk,nvfp4}_pipe wherever they apply (bf16: I % 8 == 0, fp8:
+I % 16 == 0, nvfp4: I % 64 == 0), small layers included, and bf16 layers of 3-8 columns there
+instead of to cuBLAS; "auto" (the default) uses the quantised ones where they were measured faster
+(pipe_wins) and keeps bf16 on the CUDA-core kernels (gemv_bf16_pipe is new and not yet measured):
+scripts/bench/linear.py --variants times tc against pipelined.
+
+The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
+GEMV's blocks start streaming their first weights under the previous kernel's tail.
 """
 
 from __future__ import annotations
@@ -68,11 +73,12 @@ def gemv_variant() -> str:
 
 
 def pipe_applies(kind: str, I: int, T: int) -> bool:
-    """Whether gemv_*_pipe serves a launch of T columns: quantised, T <= 8, and I % 16 == 0 (fp8) or
-    I % 64 == 0 (nvfp4: each lane copies 4-byte words of a scale row, so rows must be 4-byte aligned)."""
-    if kind not in _TC_KINDS or not 1 <= T <= PIPE_MAX_COLUMNS:
+    """Whether gemv_*_pipe serves a launch of T columns: T <= 8, and I % 8 == 0 (bf16), I % 16 == 0
+    (fp8) or I % 64 == 0 (nvfp4: each lane copies 4-byte words of a scale row, so rows must be 4-byte
+    aligned)."""
+    if kind not in ("bf16",) + _TC_KINDS or not 1 <= T <= PIPE_MAX_COLUMNS:
         return False
-    return I % (64 if kind == "nvfp4" else 16) == 0
+    return I % {"bf16": 8, "nvfp4": 64}.get(kind, 16) == 0
 
 
 def pipe_wins(O: int, T: int, tc: dict) -> bool:
@@ -113,13 +119,15 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         variant = gemv_variant()
     elif variant not in VARIANTS:
         raise L.KernelError(f"route: unknown GEMV variant {variant!r}")
+    if variant == "pipelined" and kind == "bf16" and pipe_applies(kind, I, T):
+        return _route_pipe(O, I, T, kind, sm_count, swiglu)     # bf16 up to 8 columns, not only GEMV_COLUMNS
     if T > GEMV_COLUMNS[kind]:
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
-    if variant == "auto" and pipe_applies(kind, I, T):
+    if variant == "auto" and kind != "bf16" and pipe_applies(kind, I, T):
         tc = route(O, I, T, kind, sm_count, swiglu, variant="tc")
         return _route_pipe(O, I, T, kind, sm_count, swiglu) if pipe_wins(O, T, tc) else tc
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
@@ -284,7 +292,7 @@ def _gemv(x, w, out, residual, swiglu: bool):
         L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
                  (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
                   O, I, b - a, r["ks"], mode, Fh, sb),
-                 device=d)
+                 device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)
     return out
 
 

@@ -10,10 +10,21 @@ work and are recorded when torch captures a CUDA graph.
 
 Arguments: a torch.Tensor becomes its data pointer; a Python int becomes int32 and a float float32
 (wrap in numpy scalars for other widths); numpy scalars pass through.
+
+Programmatic dependent launch (`launch(..., pdl=True)`, sm_90 and newer): the kernel is launched with
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION through the driver's cuLaunchKernelEx, so its
+blocks may start while the previous kernel on the stream is still running, as soon as every block of
+that kernel has executed `griddepcontrol.launch_dependents` (pdl_trigger() in common.cuh) or exited.
+Such a kernel must execute `griddepcontrol.wait` (pdl_wait()) before it reads anything an earlier
+kernel wrote and before it writes anything; what it does before that may only touch memory no kernel
+of the step writes (weights). The decode GEMV uses this to start streaming its weights under the
+previous kernel's tail; stream capture turns the attribute into a programmatic graph edge. Off with
+TANDEM_PDL=0, and below sm_90 (where the launch is the ordinary one).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import threading
@@ -101,18 +112,116 @@ def _arg(a):
     return a
 
 
-def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None) -> None:
-    """Launch on torch's current stream of `device` (default: the current device)."""
+def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None, pdl: bool = False) -> None:
+    """Launch on torch's current stream of `device` (default: the current device). pdl: a programmatic
+    dependent launch where the device supports it (the kernel must call pdl_wait(); module docstring)."""
     if device is None:
         device = torch.cuda.current_device()
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if min(grid) <= 0:
         return
-    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device)
     import cupy
+    if pdl and pdl_enabled(device):
+        grid3, block3 = (grid + (1, 1))[:3], (block + (1, 1))[:3]
+        with cupy.cuda.Device(device):
+            func = fn.kernel if hasattr(fn, "kernel") else fn          # RawKernel -> its Function on `device`
+            _launch_ex(func.ptr, grid3, block3, shared_mem, torch.cuda.current_stream(device).cuda_stream,
+                       [_arg(a) for a in args])
+        return
+    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device)
     with cupy.cuda.Device(device), stream:
         fn(grid, block, tuple(_arg(a) for a in args), shared_mem=shared_mem)
+
+
+# cuda.h: CUlaunchAttribute (id, 4 bytes of padding, a 64-byte value union) and CUlaunchConfig.
+class LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6           # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+_CTYPE = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+          np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+          np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
+          np.dtype(np.int16): ctypes.c_int16, np.dtype(np.uint16): ctypes.c_uint16,
+          np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8}
+
+
+def kernel_params(args) -> tuple[ctypes.Array, list]:
+    """cuLaunchKernelEx's kernelParams: an array of pointers to each argument's value, and the values
+    (kept alive by the caller). Arguments are numpy scalars (launch's _arg made them so)."""
+    vals = []
+    for a in args:
+        if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
+            raise KernelError(f"kernel argument {a!r}: expected a numpy scalar of a fixed width")
+        vals.append(_CTYPE[a.dtype](a.item()))
+    ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+    return ptrs, vals
+
+
+def launch_config(grid, block, shared_mem: int, stream: int, attrs) -> LaunchConfig:
+    cfg = LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream))
+    cfg.attrs = attrs
+    cfg.numAttrs = len(attrs)
+    return cfg
+
+
+def pdl_attributes():
+    attrs = (LaunchAttribute * 1)()
+    attrs[0].id = ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.memmove(attrs[0].value, ctypes.byref(ctypes.c_int(1)), 4)    # programmaticStreamSerializationAllowed
+    return attrs
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib, fn, pdl_attributes()
+
+
+def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, args) -> None:
+    lib, launch_ex, attrs = _driver()
+    params, _vals = kernel_params(args)
+    cfg = launch_config(grid, block, shared_mem, stream, attrs)
+    rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(rc, ctypes.byref(msg))
+        raise KernelError(f"cuLaunchKernelEx failed: {rc} {(msg.value or b'').decode()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: int) -> bool:
+    if not env_flag("TANDEM_PDL", True):
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return False
+    try:
+        _driver()
+    except (OSError, AttributeError):                 # no libcuda.so.1, or a driver before CUDA 12.0
+        return False
+    return True
+
+
+def pdl_enabled(device: int | None = None) -> bool:
+    """True when launch(..., pdl=True) is a programmatic dependent launch on `device` (sm_90+, the
+    driver has cuLaunchKernelEx, TANDEM_PDL not 0). Read once per process and device."""
+    if device is None:
+        device = torch.cuda.current_device()
+    return _pdl_capable(device)
 
 
 def warm_up(device: int | None = None) -> None:

@@ -26,8 +26,9 @@ LM_HEAD = [(248320, 5120), (248320, 2048)]
 
 
 VARIANTS = ("tc", "pipelined")
-PIPE_KINDS = ("fp8_row", "fp8_block", "nvfp4")
-_TAG = {"fp8_row": "fp8row", "fp8_block": "fp8blk", "nvfp4": "nvfp4"}
+PIPE_KINDS = ("fp8_row", "fp8_block", "nvfp4")        # pipe kernels that re-implement a gemv_*_tc kernel
+PIPE_ALL = ("bf16",) + PIPE_KINDS                     # every gemv_*_pipe kernel
+_TAG = {"bf16": "bf16", "fp8_row": "fp8row", "fp8_block": "fp8blk", "nvfp4": "nvfp4"}
 
 
 @pytest.fixture(autouse=True)
@@ -211,7 +212,8 @@ PIPE_ODD_O = (1, 2, 3, 77, 300)
 PIPE_ODD_I = (16, 48, 64, 192, 1040, 1088, 4160)
 # (kind, I) the pipe kernels serve (fp8: I % 16 == 0; nvfp4: I % 64 == 0; the other nvfp4 widths keep
 # the older kernels, test_odd_shapes with variant=pipelined and tests/test_linear_route.py cover that)
-PIPE_ODD_KI = [(k, i) for k in PIPE_KINDS for i in PIPE_ODD_I if i % (64 if k == "nvfp4" else 16) == 0]
+PIPE_ODD_KI = [(k, i) for k in PIPE_ALL for i in PIPE_ODD_I if i % (64 if k == "nvfp4" else 16) == 0]
+PIPE_ODD_KI_TC = [(k, i) for k, i in PIPE_ODD_KI if k in PIPE_KINDS]
 
 
 def _pipe_kernel(kind, O, I, T, swiglu=False):
@@ -250,7 +252,7 @@ def _linear_vs_reference(w, wf, T, seed, mode):
     _check(got, want, scale)
 
 
-@pytest.mark.parametrize("kind", PIPE_KINDS)
+@pytest.mark.parametrize("kind", PIPE_ALL)
 @pytest.mark.parametrize("O,I", SHAPES_27B + SHAPES_35B)
 def test_pipelined_model_shapes(kind, O, I, seed, monkeypatch):
     monkeypatch.setenv("TANDEM_GEMV_VARIANT", "pipelined")
@@ -317,7 +319,7 @@ def test_pipelined_matches_tensor_core_kernel(kind, O, I, seed):
     _pipe_equals_tc(kind, w, O, I, seed)
 
 
-@pytest.mark.parametrize("kind,I", PIPE_ODD_KI)
+@pytest.mark.parametrize("kind,I", PIPE_ODD_KI_TC)
 @pytest.mark.parametrize("O", PIPE_ODD_O)
 def test_pipelined_matches_tensor_core_kernel_odd(kind, O, I, seed):
     w, _ = _weight(kind, O, I, seed)
@@ -373,3 +375,70 @@ def test_errors():
     q = quant.quantize_fp8_rows(torch.zeros(4, 24, device="cuda"))
     with pytest.raises(KernelError, match="in_features % 16"):
         linear(torch.zeros(1, 24, dtype=torch.bfloat16, device="cuda"), q)
+
+
+# ------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (kernels/launch.py, pdl=True): the GEMV's blocks start under the
+# previous kernel's tail and must not read x / the residual, or write y, before pdl_wait.
+
+def _pdl_chain(kind, layers, seed, graph: bool):
+    """x <- x + W_l rms_norm(x) for `layers` weights, in place (the GEMV reads the residual and writes
+    the buffer the next norm reads), eagerly or as one captured graph; returns the final x."""
+    from kernels import cuda_misc as cm
+    from kernels.cuda_linear import linear
+    E = 5120
+    ws = [_weight(kind, E, E, seed + 11 * l)[0] for l in range(layers)]
+    nw = (0.1 * torch.randn(E, device="cuda", generator=_gen(seed + 7))).to(torch.bfloat16)   # zero-centred
+    x0 = _x(2, E, seed)
+    x = x0.clone()
+    h = torch.empty_like(x)
+
+    def run():
+        for w in ws:
+            cm.rms_norm(x, nw, 1e-6, out=h)
+            linear(h, w, out=x, residual=x)
+
+    if not graph:
+        run()
+        torch.cuda.synchronize()
+        return x.clone(), ws, nw, x0
+    run()                                                   # compile + warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            run()
+    torch.cuda.current_stream().wait_stream(s)
+    outs = []
+    for _ in range(3):                                      # replays from the same start agree
+        x.copy_(x0)
+        g.replay()
+        torch.cuda.synchronize()
+        outs.append(x.clone())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    return outs[0], ws, nw, x0
+
+
+@pytest.mark.parametrize("kind", ("bf16", "fp8_row", "nvfp4"))
+@pytest.mark.parametrize("graph", (False, True), ids=("eager", "graph"))
+def test_dependent_launch_chain(kind, graph, seed, variant, monkeypatch):
+    """A chain of norm -> GEMV (residual, in place) layers gives bit for bit the results of the same
+    kernels launched the ordinary way, and follows the float32 reference."""
+    from kernels import launch as L
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert L.pdl_enabled(), "sm_90+: the GEMV should be a programmatic dependent launch"
+    got, ws, nw, x0 = _pdl_chain(kind, 12, seed, graph)
+    monkeypatch.setattr(L, "pdl_enabled", lambda device=None: False)
+    want, _, _, _ = _pdl_chain(kind, 12, seed, graph)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    xf = x0.float()                                         # float32 reference on the dequantised weights
+    for w in ws:
+        wf = w.float() if kind == "bf16" else w.dequantize(torch.float32)
+        hf = ref.rms_norm(xf, nw.float(), 1e-6)
+        xf = xf + hf @ wf.t()
+    # 12 layers of bf16 roundings (norm output, GEMV output, residual sum) against none: ~0.2% each,
+    # growing like their square root; a read of x before the norm wrote it would be O(1).
+    assert not torch.isnan(got).any()
+    assert rel(got, xf) <= 3e-2, rel(got, xf)

@@ -76,15 +76,32 @@ def test_pipelined_variant_takes_quantised_launches_of_up_to_8_columns(kind, tag
     assert cl.route(48, 5120, 1, kind, SM)["kernel"] == f"gemv_{tag}_t1"
 
 
-def test_pipelined_variant_leaves_what_it_does_not_serve():
-    # bf16, nvfp4 rows that are not 4-byte aligned in the scales (I % 64 == 32), nvfp4 half groups
+def test_pipelined_variant_takes_bf16_launches_of_up_to_8_columns():
+    """gemv_bf16_pipe: every bf16 launch of <= 8 columns (also the 3-8 the route table gives cuBLAS),
+    none beyond; the default route keeps bf16 on the CUDA-core kernels and cuBLAS."""
+    for O, I in ((5120, 5120), (1024, 5120), (48, 5120), (3, 8), (248320, 5120)):
+        for T in range(1, 9):
+            for swiglu in (False, True):
+                r = cl.route(O, I, T, "bf16", SM, swiglu=swiglu, variant="pipelined")
+                assert r["kernel"] == "gemv_bf16_pipe" and r["nt"] == 8, (O, I, T, r)
+                tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
+                assert r["units"] == tiles and r["grid"][0] * (8 // r["ks"]) >= tiles
+                assert r["ks"] <= max(1, -(-(I // 8) // 4))
+        assert cl.route(O, I, 9, "bf16", SM, variant="pipelined")["path"] == "dequant_matmul"
     for T in (1, 2):
-        assert cl.route(5120, 5120, T, "bf16", SM, variant="pipelined")["kernel"] == f"gemv_bf16_t{T}"
+        assert cl.route(5120, 5120, T, "bf16", SM)["kernel"] == f"gemv_bf16_t{T}"
+    assert cl.route(5120, 5120, 3, "bf16", SM)["path"] == "dequant_matmul"
+    assert cl.pipe_applies("bf16", 5120, 8) and not cl.pipe_applies("bf16", 5120, 9)
+    assert not cl.pipe_applies("bf16", 5124, 1)
+
+
+def test_pipelined_variant_leaves_what_it_does_not_serve():
+    # nvfp4 rows that are not 4-byte aligned in the scales (I % 64 == 32), nvfp4 half groups
     assert cl.route(5120, 1056, 1, "nvfp4", SM, variant="pipelined")["kernel"] == "gemv_nvfp4_tc"
     assert cl.route(77, 1040, 3, "nvfp4", SM, variant="pipelined")["kernel"] == "gemv_nvfp4h_t16"
     assert cl.route(77, 1040, 3, "fp8_row", SM, variant="pipelined")["kernel"] == "gemv_fp8row_pipe"
     assert not cl.pipe_applies("nvfp4", 1056, 1) and cl.pipe_applies("nvfp4", 1088, 8)
-    assert not cl.pipe_applies("fp8_row", 5120, 9) and not cl.pipe_applies("bf16", 5120, 1)
+    assert not cl.pipe_applies("fp8_row", 5120, 9)
 
 
 def test_pipelined_ks_fills_two_blocks_per_sm():

@@ -492,6 +492,7 @@ __device__ __forceinline__ void attn_split(bf16_t* __restrict__ out, float* __re
                            const int* positions, const int* seq_of_col, const bf16_t* gate, int H,   \
                            int KV, int D, int max_pages, int chunk, int S, i64_t gate_s0,            \
                            i64_t gate_s1, float scale_log2) {                                        \
+        pdl_trigger();                                                                             \
         attn_split<GC>(out, part_ml, part_acc, q, k_pool, v_pool, page_tables, positions, seq_of_col, \
                        gate, H, KV, D, max_pages, chunk, S, gate_s0, gate_s1, scale_log2);           \
     }
@@ -658,6 +659,7 @@ __device__ __forceinline__ void attn_split_i8(bf16_t* __restrict__ out, float* _
                               const int* seq_of_col, const bf16_t* gate, int H, int KV, int D,       \
                               int max_pages, int chunk, int S, i64_t gate_s0, i64_t gate_s1,         \
                               float scale_log2) {                                                    \
+        pdl_trigger();                                                                             \
         attn_split_i8<GC>(out, part_ml, part_acc, q, k_pool, v_pool, k_scale, v_scale, page_tables,   \
                           positions, seq_of_col, gate, H, KV, D, max_pages, chunk, S, gate_s0,       \
                           gate_s1, scale_log2);                                                      \
@@ -676,6 +678,7 @@ extern "C" __global__ void __launch_bounds__(64)
 gqa_decode_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                    const int* __restrict__ positions, const bf16_t* __restrict__ gate, int H, int D, int chunk,
                    int S, i64_t gate_s0, i64_t gate_s1) {
+    pdl_trigger();                                          // lets the o_proj GEMV start (launch.py)
     const int n = blockIdx.x, h = blockIdx.y;
     const int L = positions[n] + 1;
     int active = 0;                                         // splits s with s * chunk < L

@@ -139,3 +139,28 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsig
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     mma_bf16_16816(c, a[0], a[1], a[2], a[3], b0, b1);
 }
+
+// Programmatic dependent launch (sm_90+; no-ops below, where kernels/launch.py never asks for it).
+// pdl_trigger: this block lets the next kernel on the stream, if launched with launch(..., pdl=True),
+// start; once every block of this grid has triggered or exited, its blocks may be scheduled. It says
+// nothing about this kernel's writes: the dependent sees them only after its pdl_wait.
+// pdl_wait: wait until the grids this one depends on have completed and their writes are visible.
+// A kernel launched with pdl=True must call it before reading what an earlier kernel wrote and
+// before writing anything (an earlier kernel may still read the buffer); a kernel launched the
+// ordinary way returns from it at once.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Ask L2 to fetch the line holding p (no registers, no completion to wait for).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}

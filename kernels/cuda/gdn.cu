@@ -348,6 +348,7 @@ extern "C" __global__ void __launch_bounds__(256)
 gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, const bf16_t* __restrict__ z,
                         const void* __restrict__ weight, int w_bf16, int rows, int DV, float eps)
 {
+    pdl_trigger();                                        // lets the out_proj GEMV start (launch.py)
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;                              // warp-uniform

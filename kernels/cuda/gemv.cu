@@ -228,6 +228,16 @@ __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* 
     zero_acc<NT, R>(acc);
 
     const int step = 32 * ks;
+    // Launched with pdl=True: the first round's weight chunks go to L2 while the previous kernel
+    // finishes; nothing the step writes is touched before pdl_wait.
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int cu = kslot * 32 + lane + u * step;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (ok[r] && cu < C) prefetch_l2(wr[r] + (i64_t)cu * CB);
+    }
+    pdl_wait();
     for (int c = kslot * 32 + lane; c < C; c += step * U) {
         uint4 wv[U][R];
         unsigned sv[U][R];
@@ -318,7 +328,7 @@ __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* 
 #define GEMV_PASS y, x, w, scale, gscale, residual, O, I, T, ks, mode, F, sb
 
 #define GEMV_KERNEL(name, KIND, NT) \
-    extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { gemv_body<KIND, NT>(GEMV_PASS); }
+    extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { pdl_trigger(); gemv_body<KIND, NT>(GEMV_PASS); }
 
 GEMV_KERNEL(gemv_bf16_t1, KIND_BF16, 1)
 GEMV_KERNEL(gemv_bf16_t2, KIND_BF16, 2)
@@ -526,7 +536,9 @@ __device__ __forceinline__ void tc_tile_rows(int mode, int tile, int g, int O, i
 template <int KIND>
 __device__ __forceinline__ void tc_row_scales(const void* __restrict__ scale, const float* __restrict__ gscale,
                                               const bool (&ok)[2], const int (&rows)[2], float (&mul)[2]) {
-    if (KIND == KIND_NVFP4) {
+    if (KIND == KIND_BF16) {
+        mul[0] = mul[1] = 1.f;
+    } else if (KIND == KIND_NVFP4) {
         mul[0] = mul[1] = __ldg(gscale) * 256.f;                      // 2^8
     } else {
         const float two56 = __uint_as_float(0x5b800000u);             // 2^56
@@ -624,6 +636,14 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
         for (int k = 0; k < S; ++k)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[nb][k][i] = 0.f;
+    // pdl=True launches: the first U steps' weight chunks go to L2 under the previous kernel's tail.
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if ((kslot + u * ks) * 4 + t < C) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) prefetch_l2(wp[r] + (i64_t)u * wstep);
+        }
+    pdl_wait();
     int q = kslot;
     for (; q + (U - 1) * ks < full; q += U * ks) {                    // U full steps, no guards
         uint4 wv[U][2];
@@ -693,6 +713,7 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
 // that without spilling, so they run one block per SM.
 #define GEMV_TC_KERNEL(name, KIND, NB)                                        \
     extern "C" __global__ void __launch_bounds__(256, NB <= 2 ? 2 : 1) name(GEMV_ARGS) { \
+        pdl_trigger();                                                        \
         gemv_tc_body<KIND, NB>(GEMV_PASS);                                    \
     }
 
@@ -823,7 +844,13 @@ template <int KIND, bool ALL>
 __device__ __forceinline__ void pipe_step(const uint4 (&wv)[2], const unsigned (&sw)[2], unsigned ssel,
                                           const bf16_t* xq, bool live, float s0, float s1, float (&acc)[2][4]) {
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-    if (KIND == KIND_NVFP4) {
+    if (KIND == KIND_BF16) {
+        // bf16: the chunk's 8 weights are the A words as they are (pairs (0 1) (2 3) in slots 2t, 2t+1
+        // and (4 5) (6 7) in 2t+8, 2t+9 of the first mma, and so on), x's chunk the B words.
+        const uint4 xw = (ALL || live) ? ld_x16(xq) : zero4;
+        mma_bf16_16816(acc[0], wv[0].x, wv[1].x, wv[0].y, wv[1].y, xw.x, xw.y);
+        mma_bf16_16816(acc[1], wv[0].z, wv[1].z, wv[0].w, wv[1].w, xw.z, xw.w);
+    } else if (KIND == KIND_NVFP4) {
         unsigned s2[2][2];                                            // [row][group]: (s, s) * 2^118
 #pragma unroll
         for (int r = 0; r < 2; ++r) fp8x2_scales_bf16x2_2p118(sw[r], ssel, s2[r][0], s2[r][1]);
@@ -886,7 +913,7 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
                                                const float* __restrict__ gscale, const bf16_t* residual,
                                                int O, int I, int T, int ks, int mode, int F, int sb) {
     constexpr bool NVFP4 = KIND == KIND_NVFP4;
-    constexpr int EPC = NVFP4 ? 32 : 16;                             // elements per 16-byte chunk
+    constexpr int EPC = NVFP4 ? 32 : (KIND == KIND_BF16 ? 8 : 16);  // elements per 16-byte chunk
     constexpr int NL = GEMV_WARPS * 32;                               // lanes per block
     __shared__ __align__(16) uint4 ring_w[D][2][NL];                  // [slot][row g / g+8][lane]
     __shared__ __align__(16) unsigned ring_s[NVFP4 ? D : 1][2][NVFP4 ? NL : 1];
@@ -961,6 +988,7 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
         if (s < n) issue(s);
         cp_async_commit();
     }
+    pdl_wait();                                       // pdl=True: the ring's first D steps are weights only
     int qc = kslot * 4;                                               // first chunk of the step consumed
     int slot = 0;
     for (int j = 0; j < n; ++j) {
@@ -1006,9 +1034,11 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
 
 #define GEMV_PIPE_KERNEL(name, KIND, D)                                                     \
     extern "C" __global__ void __launch_bounds__(256, PIPE_MIN_BLOCKS) name(GEMV_ARGS) { \
+        pdl_trigger();                                                                   \
         gemv_pipe_body<KIND, D>(GEMV_PASS);                                              \
     }
 
+GEMV_PIPE_KERNEL(gemv_bf16_pipe, KIND_BF16, PIPE_D_FP8)
 GEMV_PIPE_KERNEL(gemv_fp8row_pipe, KIND_FP8ROW, PIPE_D_FP8)
 GEMV_PIPE_KERNEL(gemv_fp8blk_pipe, KIND_FP8BLK, PIPE_D_FP8)
 GEMV_PIPE_KERNEL(gemv_nvfp4_pipe, KIND_NVFP4, PIPE_D_NVFP4)

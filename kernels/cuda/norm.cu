@@ -124,23 +124,27 @@ __device__ __forceinline__ void norm_row_generic(bf16_t* out, bf16_t* x_out, con
 // grid (rows), block: a multiple of 32 (<= 1024) with E / 8 <= NORM_MAXV * block.
 extern "C" __global__ void rms_norm_bf16_v8(bf16_t* out, const bf16_t* x, const bf16_t* w, int E, float inv_e,
                                             float eps) {
+    pdl_trigger();
     norm_row_v8<false>(out, nullptr, x, nullptr, w, E, inv_e, eps);
 }
 
 // grid (rows), block: a multiple of 32 (<= 1024) with E <= NORM_MAXS * block.
 extern "C" __global__ void rms_norm_bf16_generic(bf16_t* out, const bf16_t* x, const bf16_t* w, int E,
                                                  float inv_e, float eps) {
+    pdl_trigger();
     norm_row_generic<false>(out, nullptr, x, nullptr, w, E, inv_e, eps);
 }
 
 extern "C" __global__ void add_rms_norm_bf16_v8(bf16_t* out, bf16_t* x_out, const bf16_t* x, const bf16_t* y,
                                                 const bf16_t* w, int E, float inv_e, float eps) {
+    pdl_trigger();
     norm_row_v8<true>(out, x_out, x, y, w, E, inv_e, eps);
 }
 
 extern "C" __global__ void add_rms_norm_bf16_generic(bf16_t* out, bf16_t* x_out, const bf16_t* x,
                                                      const bf16_t* y, const bf16_t* w, int E, float inv_e,
                                                      float eps) {
+    pdl_trigger();
     norm_row_generic<true>(out, x_out, x, y, w, E, inv_e, eps);
 }
 

@@ -24,6 +24,7 @@ Prints a table and writes JSON (configuration, device, commit, results) to --out
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -112,6 +113,24 @@ def step_bytes(model, spec, C: int, context: int) -> dict:
     kv = n_attn * C * (context + 1) * 2 * model.num_kv_heads * spec.head_dim * 2
     gdn = n_gdn * C * 2 * model.hv * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
     return dict(weights=wb, kv=kv, gdn_state=gdn, total=wb + kv + gdn)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """Set environment variables for a block (and drop the caches that read them once per process)."""
+    from kernels import launch
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    launch._pdl_capable.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        launch._pdl_capable.cache_clear()
 
 
 def time_decode(model, state, C: int, context: int, steps: int) -> float:
@@ -253,9 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--gemv-columns", type=int, default=None,
                     help="route bf16 linears with more columns than this to cuBLAS (default: the route table)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VALUE[,ENV=VALUE]",
+                    help="time the decode steps again with these environment settings (fresh CUDA graphs; "
+                         "e.g. nopdl:TANDEM_PDL=0 or pipe:TANDEM_GEMV_VARIANT=pipelined); repeatable, "
+                         "the default settings always run first")
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    variants = [("default", {})]
+    for v in args.variant:
+        name, _, settings = v.partition(":")
+        env = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+        if not name or not env:
+            ap.error(f"--variant {v!r}: expected NAME:ENV=VALUE[,ENV=VALUE]")
+        variants.append((name, env))
 
     from kernels import cuda_linear
     from ranks.model_cuda import CudaHybridModel, _fuse_gate_up, quantise_weights
@@ -291,15 +321,21 @@ def main(argv: list[str] | None = None) -> int:
         need_prefill = max(args.prefill or [0])
         pages = max(pages, (need_prefill + PAGE_SIZE - 1) // PAGE_SIZE + 1)
         state = ModelState(spec, max_c, pages, torch.bfloat16, "cuda", with_mtp=False)
-        for C in args.concurrency:
-            t = time_decode(model, state, C, args.context, args.steps)
-            b = step_bytes(model, spec, C, args.context)
-            floor = b["total"] / bw["floor_Bps"]
-            r = dict(weights=fmt, C=C, step_s=t, tok_s=C / t, bytes=b, floor_s=floor, of_floor=floor / t)
-            res["decode"].append(r)
-            rows.append(r)
-            print(f"{fmt:6s} C={C:3d} step {t * 1e3:8.2f} ms  {C / t:8.1f} tok/s  floor {floor * 1e3:7.2f} ms  "
-                  f"{floor / t:6.1%} of floor", flush=True)
+        for vname, env in variants:
+            with environment(env):
+                if model.graphs is not None:                # graphs captured under these settings
+                    from ranks.graphs import GraphRunner
+                    model.graphs = GraphRunner(model)
+                for C in args.concurrency:
+                    t = time_decode(model, state, C, args.context, args.steps)
+                    b = step_bytes(model, spec, C, args.context)
+                    floor = b["total"] / bw["floor_Bps"]
+                    r = dict(weights=fmt, variant=vname, env=env, C=C, step_s=t, tok_s=C / t, bytes=b,
+                             floor_s=floor, of_floor=floor / t)
+                    res["decode"].append(r)
+                    rows.append(r)
+                    print(f"{fmt:6s} {vname:10s} C={C:3d} step {t * 1e3:8.2f} ms  {C / t:8.1f} tok/s  "
+                          f"floor {floor * 1e3:7.2f} ms  {floor / t:6.1%} of floor", flush=True)
         if fmt == "bf16":
             # the layers' matmuls run on every token; the head only on the last one
             active = sum(v.numel() for k, v in model.w.items()
@@ -337,16 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             res["hf"] = hf_decode(args.model, args.layers, args.concurrency, args.context, max(5, args.steps // 2))
             for C, t in res["hf"].items():
-                ours = min(r["step_s"] for r in rows if r["C"] == C and r["weights"] == "bf16")
+                ours = min(r["step_s"] for r in rows if r["C"] == C and r["weights"] == "bf16"
+                           and r["variant"] == "default")
                 print(f"transformers bf16 C={C:3d} step {t * 1e3:8.2f} ms  {C / t:8.1f} tok/s  "
                       f"tandem bf16 is {t / ours:5.1f}x faster")
         except Exception as e:                         # report, do not lose the rest of the run
             res["hf"] = dict(error=f"{type(e).__name__}: {e}")
             print(f"transformers comparison failed: {e}")
-    print("\nweights  C   step ms   tok/s   floor ms   of floor")
+    print("\nweights variant      C   step ms   tok/s   floor ms   of floor   vs default")
+    base_t = {(r["weights"], r["C"]): r["step_s"] for r in rows if r["variant"] == "default"}
     for r in rows:
-        print(f"{r['weights']:6s} {r['C']:3d} {r['step_s'] * 1e3:8.2f} {r['tok_s']:8.1f} {r['floor_s'] * 1e3:8.2f} "
-              f"{r['of_floor']:8.1%}")
+        print(f"{r['weights']:6s}  {r['variant']:10s} {r['C']:3d} {r['step_s'] * 1e3:8.2f} {r['tok_s']:8.1f} "
+              f"{r['floor_s'] * 1e3:8.2f} {r['of_floor']:8.1%} {base_t[(r['weights'], r['C'])] / r['step_s']:8.3f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
