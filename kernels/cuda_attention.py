@@ -56,8 +56,8 @@ _WAVES = 2                       # aim for this many CTAs per SM when choosing s
 _MAX_CHUNK = 512
 _SPLIT_SCRATCH = 32 << 20        # bytes of fp32 partial sums per call at most (wide batches: fewer splits)
 
-__all__ = ["qk_norm_rope_kv_write", "decode_attention", "prefill_attention", "prefill_attention_batched",
-           "choose_splits"]
+__all__ = ["qk_norm_rope_kv_write", "decode_attention", "decode_attention_tc", "prefill_attention",
+           "prefill_attention_batched", "choose_splits", "choose_tc_splits"]
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -502,4 +502,89 @@ def _prefill_torch(q, k_pool, v_pool, page_tables, positions, cu_seqlens, scale,
         if hi > lo:
             prefill_attention(q[lo:hi], k_pool, v_pool, page_tables[b], positions[lo:hi], scale, gate=gate[lo:hi],
                               out=out[lo:hi], k_scale=k_scale, v_scale=v_scale)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode on tensor cores: the prefill kernel's key-split form + the decode combine
+
+_TC_MAX_CHUNK = 1024             # keys per split at most (while the partial sums fit _SPLIT_SCRATCH)
+_TC_WARPS = 4                    # prefill_attn_split_* are instantiated with 4 warps (64 query rows)
+
+
+def choose_tc_splits(ctas: int, max_len: int, sms: int, per_split_bytes: int) -> tuple[int, int]:
+    """(splits, chunk_tiles) for decode_attention_tc: `ctas` CTAs per split (kv heads x sequences x row
+    tiles); enough splits for ~_WAVES CTAs per SM and none longer than _TC_MAX_CHUNK keys, while the
+    partial sums (per_split_bytes each) stay within _SPLIT_SCRATCH; chunk_tiles 64-key pages per split."""
+    tiles = max(1, -(-int(max_len) // PAGE_SIZE))
+    want = max(1, -(-_WAVES * sms // max(1, ctas)), -(-tiles * PAGE_SIZE // _TC_MAX_CHUNK))
+    splits = max(1, min(want, tiles, _SPLIT_SCRATCH // max(1, per_split_bytes)))
+    chunk_tiles = -(-tiles // splits)
+    return -(-tiles // chunk_tiles), chunk_tiles
+
+
+def decode_attention_tc(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
+                        positions: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, gate: torch.Tensor,
+                        max_columns: int, max_len_hint: int | None = None, out: torch.Tensor | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention's result (gated [N, H*D] bf16) for columns grouped by sequence (cu_seqlens, as
+    prefill_attention_batched takes them), with Q K^T and P V on tensor cores: the prefill kernel's
+    key-split form (prefill_attn_split_*: the G query heads of a kv head folded into the rows of one
+    mma tile, 64-key pages through shared memory) writes per-split partials, gqa_decode_combine merges
+    them and applies the gate. For long contexts, where the CUDA-core split kernel is bound by its
+    per-head dot products. max_columns: a host bound on any sequence's column count; max_len_hint: on
+    any column's key count (default: the page table width * 64; a hint that is too small is slower,
+    never wrong: the last split runs to the end). Device reads only: capturable in a CUDA graph.
+    D other than 64/128/256, or a device without the shared memory, takes decode_attention instead
+    (it needs seq_of_col: derived here on the device)."""
+    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
+    check(q, "q", torch.bfloat16, (None, None, D))
+    N, H = q.shape[0], q.shape[1]
+    if H % KV:
+        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
+    if not _aligned(q):
+        raise KernelError("q must be 16-byte aligned")
+    check(positions, "positions", torch.int32, (N,))
+    check(cu_seqlens, "cu_seqlens", torch.int32, (None,))
+    B = cu_seqlens.shape[0] - 1
+    if B < 1:
+        raise KernelError("cu_seqlens: need B + 1 >= 2 entries")
+    check(page_tables, "page_tables", torch.int32, (None, None))
+    if page_tables.shape[0] < B or page_tables.shape[1] < 1:
+        raise KernelError(f"page_tables: shape {tuple(page_tables.shape)} for {B} sequences")
+    if not scale > 0:
+        raise KernelError(f"scale {scale}: must be > 0")
+    max_columns = int(max_columns)
+    if N and not 1 <= max_columns <= N:
+        raise KernelError(f"max_columns {max_columns}: need 1 <= max_columns <= N = {N}")
+    gate, gs0, gs1 = _gate(gate, N, H, D)
+    out = _gated_out(out, N, H, D, q.device)
+    if N == 0:
+        return out
+    dev = L.device_of(q)
+    smem = prefill_smem_bytes(D, _TC_WARPS, quant)
+    if D not in _PF_DIMS or smem > _smem_optin(dev):
+        seq_of_col = torch.repeat_interleave(
+            torch.arange(B, dtype=torch.int32, device=q.device), (cu_seqlens[1:] - cu_seqlens[:-1]).long(),
+            output_size=N)
+        return decode_attention(q, k_pool, v_pool, page_tables, positions, seq_of_col, scale, gate, out=out,
+                                max_len_hint=max_len_hint, k_scale=k_scale, v_scale=v_scale)
+    G = H // KV
+    bound = page_tables.shape[1] * PAGE_SIZE
+    max_len = bound if max_len_hint is None else max(1, min(int(max_len_hint), bound))
+    tiles = -(-max_columns * G // (16 * _TC_WARPS))
+    S, chunk_tiles = choose_tc_splits(KV * B * tiles, max_len, L.sm_count(dev), N * H * (D + 2) * 4)
+    if B > 65535 or tiles * S > 65535:
+        raise KernelError(f"decode grid ({KV}, {B}, {tiles * S}) exceeds 65535 in y or z")
+    part_ml = torch.empty(N, H, S, 2, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(N, H, S, D, dtype=torch.float32, device=q.device)
+    name = f"prefill_attn_split_{'i8_' if quant else ''}d{D}_w{_TC_WARPS}"
+    fn = _prefill_kernel(name, dev, smem)
+    L.launch(fn, (KV, B, tiles * S), (32 * _TC_WARPS,),
+             (q, k_pool, v_pool, k_scale, v_scale, page_tables, positions, cu_seqlens, H, KV, page_tables.shape[1],
+              np.float32(scale * _LOG2E), tiles, chunk_tiles, S, part_ml, part_acc),
+             shared_mem=smem, device=dev)
+    L.launch(L.kernel(_SRC, "gqa_decode_combine", dev), (N, H), (_COMBINE_THREADS,),
+             (out, part_ml, part_acc, positions, gate, H, D, chunk_tiles * PAGE_SIZE, S, np.int64(gs0),
+              np.int64(gs1)), device=dev)
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +46,17 @@ MAX_FAST_COLUMNS = 16
 # a long step's leading short sequences (decodes beside prefill chunks) take the split decode kernel;
 # False sends them through the prefill kernel with the chunks (scripts/bench/decode.py --mixed compares)
 MIXED_DECODE_KERNEL = True
+# decode / verification attention on tensor cores (cuda_attention.decode_attention_tc) when the step's
+# key bound reaches TC_DECODE_MIN_LEN; opt in with TANDEM_DECODE_ATTENTION=tc until measured (None:
+# read the variable at each step plan, so also at graph capture; True / False override it)
+TC_DECODE_ATTENTION: bool | None = None
+TC_DECODE_MIN_LEN = 4096
+
+
+def tc_decode_attention() -> bool:
+    if TC_DECODE_ATTENTION is not None:
+        return TC_DECODE_ATTENTION
+    return os.environ.get("TANDEM_DECODE_ATTENTION", "split") == "tc"
 WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "nvfp4")
 
 # linear layers that quantisation on load converts (suffixes of canonical names)
@@ -323,9 +335,14 @@ class CudaHybridModel(HybridModel):
         if db.host is not None:
             o = self._prefill_attention(q, gate, db, k_pool, v_pool, k_scale, v_scale)
             return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
-        o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col,
-                                self.spec.head_dim ** -0.5, gate, max_len_hint=db.max_len, k_scale=k_scale,
-                                v_scale=v_scale)                             # [N, H*D], gated
+        if tc_decode_attention() and db.max_len >= TC_DECODE_MIN_LEN:
+            o = ca.decode_attention_tc(q, k_pool, v_pool, db.page_tables, db.positions, db.cu_seqlens,
+                                       self.spec.head_dim ** -0.5, gate, max_columns=db.N - db.B + 1,
+                                       max_len_hint=db.max_len, k_scale=k_scale, v_scale=v_scale)
+        else:
+            o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col,
+                                    self.spec.head_dim ** -0.5, gate, max_len_hint=db.max_len, k_scale=k_scale,
+                                    v_scale=v_scale)                         # [N, H*D], gated
         return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
 
     def _prefill_attention(self, q: Tensor, gate: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,

@@ -8,6 +8,8 @@
 #                                        the decode-step profile, the quantised GEMV variants, speculation on the demo model
 #   scripts/gpu-session.sh prefill OUT   one GPU: 27B prefill of 8k and 64k prompts, 35B-A3B prefill of 8k, an
 #                                        8k prefill chunk's profile, the GDN rule's two forms per column count
+#   scripts/gpu-session.sh tc-decode OUT one GPU (this branch): the tensor-core decode attention's tests, then
+#                                        27B decode at 32k context with TANDEM_DECODE_ATTENTION=split and =tc
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #
@@ -15,7 +17,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|decode|prefill|tp OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|decode|prefill|tc-decode|tp OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -48,6 +50,16 @@ case "$PART" in
         --out "$OUT/profile-prefill.json" > "$OUT/profile-prefill.txt" 2>&1
     timeout 60 python $B/gdn_prefill.py --out "$OUT/gdn.json" > "$OUT/gdn.txt" 2>&1
     for f in prefill-27b prefill-35b profile-prefill gdn; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
+  tc-decode)
+    # branch wip/decode-attention-tc: its GPU tests, then 27B decode at 32k context without / with it
+    timeout 300 scripts/gpu-tests.sh "$OUT/tc" tests/test_cuda_attention.py tests/test_cuda_model.py \
+        -k "tc or tensor_core" --tb=short > "$OUT/tc-tests.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tc-tests.txt" | cut -c1-200 | tail -15
+    for v in split tc; do
+      TANDEM_DECODE_ATTENTION=$v timeout 120 python $B/decode.py --model 27b --weights bf16 --concurrency 1 4 8 \
+          --steps 6 --prefill --context 32768 --out "$OUT/decode-32k-$v.json" > "$OUT/decode-32k-$v.txt" 2>&1
+      echo "== $v"; grep "C=" "$OUT/decode-32k-$v.txt"
+    done ;;
   tp)
     timeout 120 python $B/allreduce.py --out "$OUT/allreduce.json" > "$OUT/allreduce.txt" 2>&1
     timeout 300 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox nccl --share \

@@ -415,3 +415,101 @@ def test_prefill_attention_int8(shape, seed):
     gated = ca.prefill_attention(q, c.kq, c.vq, c.tables[0], c.positions, scale, gate=gate, length=400,
                                  k_scale=c.ks, v_scale=c.vs)
     assert rel(gated, ref.reshape(N, H * D) * torch.sigmoid(gate.float())) <= TOL
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode on tensor cores (decode_attention_tc: the prefill kernel's key-split form + the combine)
+
+TC_SHAPES = [s for s, v in SHAPES.items() if v[2] in (64, 128, 256)]
+
+
+def _run_decode_tc(c: Case, hint, int8: bool = False):
+    """decode_attention_tc on the case's columns (grouped by sequence, as cu_seqlens needs) against
+    the fp32 reference, output poisoned with NaN."""
+    ca = _ca()
+    H, D, N = c.H, c.D, c.N
+    qg = c.randn(N, H * 2 * D)
+    q, gate = ops.split_q_gate(qg, H, D)
+    q = q.contiguous()
+    scale = D ** -0.5
+    pools = (c.kq, c.vq) if int8 else (c.k_pool, c.v_pool)
+    scales = dict(k_scale=c.ks, v_scale=c.vs) if int8 else {}
+    outs = []
+    for b, (lo, hi) in enumerate(c.bounds):
+        outs.append(ops.paged_attention(q[lo:hi].float(), *pools, c.tables[b], c.positions[lo:hi], scale, **scales))
+    ref = torch.cat(outs).reshape(N, H * D) * torch.sigmoid(gate.float())
+    cu = torch.tensor([0] + [hi for _, hi in c.bounds], dtype=torch.int32, device=DEV)
+    max_columns = max(hi - lo for lo, hi in c.bounds)
+    out = torch.full((N, H * D), float("nan"), dtype=BF, device=DEV)
+    res = ca.decode_attention_tc(q, *pools, c.tables, c.positions, cu, scale, qg.view(N, H, 2 * D)[..., D:],
+                                 max_columns, max_len_hint=hint, out=out, **scales)
+    torch.cuda.synchronize()
+    assert res is out
+    assert not out.isnan().any()
+    err = rel(out, ref)
+    assert err <= TOL, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shape", TC_SHAPES)
+def test_decode_attention_tc(shape, T, seed):
+    lengths = [1, 63, 64, 65, 1000, 5000] if T == 1 else [4, 63, 64, 65, 1000, 5000]
+    c = Case(shape, lengths, T, seed)
+    c.fill_history(upto_columns=True)
+    _run_decode_tc(c, hint=None)
+
+
+@pytest.mark.parametrize("hint", ["exact", "small", "one-split"])
+def test_decode_attention_tc_hints(hint, seed):
+    """A bound equal to the longest context, one far too small (the last split runs to the end), and
+    one page (a single split: its partials still go through the combine)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 3000, (8,), generator=g).tolist()
+    c = Case("27b", lengths, 4, seed)
+    c.fill_history(upto_columns=True)
+    _run_decode_tc(c, hint={"exact": max(lengths), "small": 300, "one-split": 1}[hint])
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_decode_attention_tc_int8(T, seed):
+    lengths = [1, 63, 64, 65, 1000, 5000] if T == 1 else [4, 63, 64, 65, 1000, 5000]
+    c = Case("27b", lengths, T, seed)
+    _int8_pools(c)
+    _fill_history_int8(c, upto_columns=True)
+    _run_decode_tc(c, hint=None, int8=True)
+
+
+def test_decode_attention_tc_32k(seed):
+    c = Case("35b", [32768 - 3, 20000], 4, seed)
+    c.fill_history(upto_columns=True)
+    _run_decode_tc(c, hint=65536 // 2)
+
+
+def test_decode_attention_tc_graph_capture(seed):
+    """Captured once, replayed after the KV and q change in place: device reads only."""
+    ca = _ca()
+    c = Case("27b", [3000, 700], 1, seed)
+    c.fill_history(upto_columns=True)
+    H, D, N = c.H, c.D, c.N
+    qg = c.randn(N, H * 2 * D)
+    q = ops.split_q_gate(qg, H, D)[0].contiguous()
+    gate = qg.view(N, H, 2 * D)[..., D:]
+    cu = torch.tensor([0] + [hi for _, hi in c.bounds], dtype=torch.int32, device=DEV)
+    out = torch.empty(N, H * D, dtype=BF, device=DEV)
+    args = (q, c.k_pool, c.v_pool, c.tables, c.positions, cu, D ** -0.5, gate, 1)
+    ca.decode_attention_tc(*args, max_len_hint=4096, out=out)      # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        ca.decode_attention_tc(*args, max_len_hint=4096, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    c.fill_history(upto_columns=True)                                # new keys and values in place
+    q.copy_(c.randn(N, H, D))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    outs = [ops.paged_attention(q[lo:hi].float(), c.k_pool, c.v_pool, c.tables[b], c.positions[lo:hi], D ** -0.5)
+            for b, (lo, hi) in enumerate(c.bounds)]
+    ref = torch.cat(outs).reshape(N, H * D) * torch.sigmoid(gate.float().reshape(N, H * D))   # gate: the [N, H, D] view
+    assert rel(out, ref) <= TOL

@@ -427,3 +427,15 @@ def test_graphed_verification_rounds_equal_eager(name, seed):
     assert graphed.graphs.replays >= 3
     for a, b in zip(states[0].recurrent + states[0].conv + states[0].k, states[1].recurrent + states[1].conv + states[1].k):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "small", "27b-4layers"])
+@pytest.mark.parametrize("columns", [1, 4])
+def test_teacher_forced_with_tensor_core_decode_attention(name, columns, seed, monkeypatch):
+    """The teacher-forced check with decode and verification attention on decode_attention_tc (opt-in,
+    TANDEM_DECODE_ATTENTION=tc) from the first key on; tiny-dense's head dim has no tensor-core kernel,
+    so it checks the fallback to the CUDA-core kernel."""
+    from ranks import model_cuda
+    monkeypatch.setattr(model_cuda, "TC_DECODE_ATTENTION", True)
+    monkeypatch.setattr(model_cuda, "TC_DECODE_MIN_LEN", 0)
+    test_teacher_forced_logits_match_the_float32_reference(name, columns, seed)

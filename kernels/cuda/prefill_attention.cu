@@ -2,6 +2,12 @@
 //
 //   prefill_attn_d<D>_w<W>       bf16 pools [P, 64, KV, D]
 //   prefill_attn_i8_d<D>_w<W>    int8 pools + fp32 scales [P, 64, KV, D / 64] (as gqa_decode_split_i8_g*)
+//   prefill_attn_split_[i8_]d<D>_w4   the key-split form for decode and verification columns against long
+//                                contexts (cuda_attention.decode_attention_tc): split s of S takes the key
+//                                pages [s * chunk_tiles, (s + 1) * chunk_tiles) (the last split to the end)
+//                                and writes gqa_decode_split's partials (max in the base-2 domain, sum,
+//                                unnormalised acc) for gqa_decode_combine (attention.cu) instead of the
+//                                gated output; grid (KV, B, S * ntiles)
 //
 // Same contract as gqa_decode_split_g* (kernels/cuda/attention.cu), for many columns per sequence: column
 // n of sequence b attends to keys 0..positions[n] of b's page table; query head h reads kv head
@@ -181,14 +187,16 @@ __device__ __forceinline__ void pf_dequant(const PfLoad<D, NT>& ld, const i8_t* 
     }
 }
 
-template <int D, int W, bool I8>
+template <int D, int W, bool I8, bool SPLIT>
 __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf16_t* __restrict__ q,
                                              const void* __restrict__ k_pool, const void* __restrict__ v_pool,
                                              const float* __restrict__ k_scale, const float* __restrict__ v_scale,
                                              const int* __restrict__ page_tables, const int* __restrict__ positions,
                                              const int* __restrict__ cu_seqlens, const bf16_t* __restrict__ gate,
                                              int H, int KV, int max_pages, i64_t gate_s0, i64_t gate_s1,
-                                             float scale_log2) {
+                                             float scale_log2, int ntiles = 0, int chunk_tiles = 0, int S = 1,
+                                             float* __restrict__ part_ml = nullptr,
+                                             float* __restrict__ part_acc = nullptr) {
     constexpr int ROWS = 16 * W, NT = 32 * W;
     constexpr int CH = D / 8;               // 16-byte chunks of a bf16 row; also the O n-tiles (8 dims each)
     constexpr int KS = D / 16;              // k-steps of Q K^T
@@ -208,7 +216,10 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     const int c0 = cu_seqlens[b];
     const int G = H / KV;
     const int rows = (cu_seqlens[b + 1] - c0) * G;
-    const int tile = (rows + ROWS - 1) / ROWS - 1 - (int)blockIdx.z;
+    // SPLIT: blockIdx.z = split * ntiles + (tile counted from the end)
+    const int sidx = SPLIT ? (int)blockIdx.z / ntiles : 0;
+    const int zt = SPLIT ? (int)blockIdx.z - sidx * ntiles : (int)blockIdx.z;
+    const int tile = (rows + ROWS - 1) / ROWS - 1 - zt;
     if (tile < 0) return;                                                // CTA-uniform
     const int rho0 = tile * ROWS;
     const int* pt = page_tables + (i64_t)b * max_pages;
@@ -245,6 +256,13 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
 #pragma unroll
     for (int w = 1; w < W; ++w) pmax = max(pmax, red[w]);           // >= 0: the tile has a row
     const int J = (pmax >> 6) + 1;
+    // key tiles of this CTA: all of them, or (SPLIT) split sidx's chunk_tiles, the last split to the end
+    const int j0 = SPLIT ? sidx * chunk_tiles : 0;
+    const int j1 = SPLIT ? (sidx == S - 1 ? J : min(J, j0 + chunk_tiles)) : J;
+    if (SPLIT && j0 >= J) {                                              // CTA-uniform: no keys here
+        cp_async_wait<0>();                                              // (the Q copies) before leaving
+        return;
+    }
 
     const PfLoad<D, NT> ld(tid, kvh, KV);
     const bf16_t* kp = reinterpret_cast<const bf16_t*>(k_pool);
@@ -252,9 +270,9 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     const i8_t* kq = reinterpret_cast<const i8_t*>(k_pool);
     const i8_t* vq = reinterpret_cast<const i8_t*>(v_pool);
     if constexpr (I8)
-        pf_issue_i8<D, NT>(ld, kq, k_scale, smem_u32(Kc), smem_u32(Ksc), pt[0], 0, pmax, KV);
+        pf_issue_i8<D, NT>(ld, kq, k_scale, smem_u32(Kc), smem_u32(Ksc), pt[j0], j0 * PF_PAGE, pmax, KV);
     else
-        pf_issue_bf16<D, NT>(ld, kp, ks, pt[0], 0, pmax, KV);
+        pf_issue_bf16<D, NT>(ld, kp, ks, pt[j0], j0 * PF_PAGE, pmax, KV);
     cp_async_commit();                                                         // one group: Q and K(0)
 
     // ldmatrix lane addresses. Lane l supplies row l & 7 of matrix l >> 3; with the swizzle, logical
@@ -281,7 +299,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     float m[2] = {PF_NEG_INF, PF_NEG_INF}, l[2] = {0.f, 0.f};
     unsigned pa[4][4];                                                   // P as A fragments, per 16-key k-step
 
-    for (int j = 0; j < J; ++j) {
+    for (int j = j0; j < j1; ++j) {
         // (A) K(j) landed and every warp is done with Vs (P V(j-1)).
         cp_async_wait<0>();
         __syncthreads();
@@ -368,7 +386,7 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
         // (B) V(j) landed and every warp is done with Ks (S(j)).
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 1 < J) {
+        if (j + 1 < j1) {
             if constexpr (I8)
                 pf_issue_i8<D, NT>(ld, kq, k_scale, smem_u32(Kc), smem_u32(Ksc), pt[j + 1], (j + 1) * PF_PAGE,
                                    pmax, KV);
@@ -401,6 +419,28 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     for (int i = 0; i < 2; ++i) {
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    if constexpr (SPLIT) {
+        // the split's partials, as gqa_decode_split_g* writes them (attention.cu): max in the base-2
+        // domain (scores * scale * log2 e), sum of exp2(s - max), unnormalised acc; gqa_decode_combine
+        // merges them. A row reads split sidx only if it has keys there, so its max is finite.
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int rho = rho0 + warp * 16 + g + 8 * i;
+            if (rho < rows) {
+                const int n = c0 + rho / G, h = kvh * G + rho % G;
+                const i64_t pidx = ((i64_t)n * H + h) * S + sidx;
+                if (t == 0) {
+                    part_ml[2 * pidx] = m[i] == PF_NEG_INF ? PF_NEG_INF : m[i] * scale_log2;
+                    part_ml[2 * pidx + 1] = l[i];
+                }
+                float* dst = part_acc + pidx * D + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < CH; ++nt)
+                    *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[nt][2 * i], o[nt][2 * i + 1]);
+            }
+        }
+        return;
     }
     const float inv0 = __fdividef(1.f, l[0]), inv1 = __fdividef(1.f, l[1]);    // l >= 1 on rows with keys
     unsigned char* qrow = reinterpret_cast<unsigned char*>(Qs) + (warp * 16 + g) * D * 2;
@@ -438,8 +478,22 @@ __device__ __forceinline__ void prefill_tile(bf16_t* __restrict__ out, const bf1
     NAME(bf16_t* out, const bf16_t* q, const void* k_pool, const void* v_pool, const float* k_scale,      \
          const float* v_scale, const int* page_tables, const int* positions, const int* cu_seqlens,       \
          const bf16_t* gate, int H, int KV, int max_pages, i64_t gate_s0, i64_t gate_s1, float scale_log2) { \
-        prefill_tile<D, W, I8>(out, q, k_pool, v_pool, k_scale, v_scale, page_tables, positions, cu_seqlens, \
-                               gate, H, KV, max_pages, gate_s0, gate_s1, scale_log2);                    \
+        prefill_tile<D, W, I8, false>(out, q, k_pool, v_pool, k_scale, v_scale, page_tables, positions,     \
+                                      cu_seqlens, gate, H, KV, max_pages, gate_s0, gate_s1, scale_log2);  \
+    }
+
+// The key-split form (decode and verification columns against long contexts): grid (KV, B, S * ntiles),
+// split s takes key tiles [s * chunk_tiles, (s + 1) * chunk_tiles) (the last one to the end) and writes
+// partials for gqa_decode_combine instead of the gated output.
+#define PREFILL_SPLIT_KERNEL(NAME, D, W, I8, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                            \
+    NAME(const bf16_t* q, const void* k_pool, const void* v_pool, const float* k_scale,                   \
+         const float* v_scale, const int* page_tables, const int* positions, const int* cu_seqlens,       \
+         int H, int KV, int max_pages, float scale_log2, int ntiles, int chunk_tiles, int S,              \
+         float* part_ml, float* part_acc) {                                                               \
+        prefill_tile<D, W, I8, true>(nullptr, q, k_pool, v_pool, k_scale, v_scale, page_tables, positions,  \
+                                     cu_seqlens, nullptr, H, KV, max_pages, 0, 0, scale_log2, ntiles,     \
+                                     chunk_tiles, S, part_ml, part_acc);                                  \
     }
 
 PREFILL_KERNEL(prefill_attn_d64_w4, 64, 4, false, 4)
@@ -454,3 +508,10 @@ PREFILL_KERNEL(prefill_attn_i8_d128_w4, 128, 4, true, 2)
 PREFILL_KERNEL(prefill_attn_i8_d128_w8, 128, 8, true, 1)
 PREFILL_KERNEL(prefill_attn_i8_d256_w4, 256, 4, true, 2)
 PREFILL_KERNEL(prefill_attn_i8_d256_w8, 256, 8, true, 1)
+
+PREFILL_SPLIT_KERNEL(prefill_attn_split_d64_w4, 64, 4, false, 2)
+PREFILL_SPLIT_KERNEL(prefill_attn_split_d128_w4, 128, 4, false, 2)
+PREFILL_SPLIT_KERNEL(prefill_attn_split_d256_w4, 256, 4, false, 2)
+PREFILL_SPLIT_KERNEL(prefill_attn_split_i8_d64_w4, 64, 4, true, 2)
+PREFILL_SPLIT_KERNEL(prefill_attn_split_i8_d128_w4, 128, 4, true, 2)
+PREFILL_SPLIT_KERNEL(prefill_attn_split_i8_d256_w4, 256, 4, true, 2)
