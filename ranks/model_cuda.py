@@ -47,8 +47,10 @@ MAX_FAST_COLUMNS = 16
 # False sends them through the prefill kernel with the chunks (scripts/bench/decode.py --mixed compares)
 MIXED_DECODE_KERNEL = True
 # decode / verification attention on tensor cores (cuda_attention.decode_attention_tc) when the step's
-# key bound reaches TC_DECODE_MIN_LEN; opt in with TANDEM_DECODE_ATTENTION=tc until measured (None:
-# read the variable at each step plan, so also at graph capture; True / False override it)
+# key bound reaches TC_DECODE_MIN_LEN, else the CUDA-core split kernel. 27B bf16 at 32k keys on an H200:
+# 1.20x / 1.46x / 1.79x faster steps at C = 1 / 4 / 8 (docs/perf.md). TANDEM_DECODE_ATTENTION=split keeps
+# the split kernel at every length (None: the variable is read at each step plan, so also at graph
+# capture; True / False override it).
 TC_DECODE_ATTENTION: bool | None = None
 TC_DECODE_MIN_LEN = 4096
 
@@ -56,7 +58,10 @@ TC_DECODE_MIN_LEN = 4096
 def tc_decode_attention() -> bool:
     if TC_DECODE_ATTENTION is not None:
         return TC_DECODE_ATTENTION
-    return os.environ.get("TANDEM_DECODE_ATTENTION", "split") == "tc"
+    v = os.environ.get("TANDEM_DECODE_ATTENTION") or "tc"
+    if v not in ("tc", "split"):
+        raise ValueError(f"TANDEM_DECODE_ATTENTION={v!r}: expected tc or split")
+    return v == "tc"
 WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "nvfp4")
 
 # linear layers that quantisation on load converts (suffixes of canonical names)

@@ -8,8 +8,8 @@
 #                                        the decode-step profile, the quantised GEMV variants, speculation on the demo model
 #   scripts/gpu-session.sh prefill OUT   one GPU: 27B prefill of 8k and 64k prompts, 35B-A3B prefill of 8k, an
 #                                        8k prefill chunk's profile, the GDN rule's two forms per column count
-#   scripts/gpu-session.sh tc-decode OUT one GPU (this branch): the tensor-core decode attention's tests, then
-#                                        27B decode at 32k context with TANDEM_DECODE_ATTENTION=split and =tc
+#   scripts/gpu-session.sh context OUT   one GPU: 27B bf16 decode at 4k, 8k, 16k and 32k context, the decode
+#                                        attention on tensor cores (default) and on the split kernel
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #
@@ -17,7 +17,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|decode|prefill|tc-decode|tp OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|decode|prefill|context|tp OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -50,15 +50,12 @@ case "$PART" in
         --out "$OUT/profile-prefill.json" > "$OUT/profile-prefill.txt" 2>&1
     timeout 60 python $B/gdn_prefill.py --out "$OUT/gdn.json" > "$OUT/gdn.txt" 2>&1
     for f in prefill-27b prefill-35b profile-prefill gdn; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
-  tc-decode)
-    # branch wip/decode-attention-tc: its GPU tests, then 27B decode at 32k context without / with it
-    timeout 300 scripts/gpu-tests.sh "$OUT/tc" tests/test_cuda_attention.py tests/test_cuda_model.py \
-        -k "tc or tensor_core" --tb=short > "$OUT/tc-tests.txt" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tc-tests.txt" | cut -c1-200 | tail -15
-    for v in split tc; do
-      TANDEM_DECODE_ATTENTION=$v timeout 120 python $B/decode.py --model 27b --weights bf16 --concurrency 1 4 8 \
-          --steps 6 --prefill --context 32768 --out "$OUT/decode-32k-$v.json" > "$OUT/decode-32k-$v.txt" 2>&1
-      echo "== $v"; grep "C=" "$OUT/decode-32k-$v.txt"
+  context)
+    # the decode attention's two kernels by context length (TC_DECODE_MIN_LEN in ranks/model_cuda.py)
+    for L in 4096 8192 16384 32768; do
+      timeout 130 python $B/decode.py --model 27b --weights bf16 --concurrency 1 8 --steps 6 --prefill \
+          --context $L --variant split:TANDEM_DECODE_ATTENTION=split --out "$OUT/decode-$L.json" > "$OUT/decode-$L.txt" 2>&1
+      echo "== context $L"; grep -A5 "^weights variant" "$OUT/decode-$L.txt"
     done ;;
   tp)
     timeout 120 python $B/allreduce.py --out "$OUT/allreduce.json" > "$OUT/allreduce.txt" 2>&1
@@ -67,5 +64,5 @@ case "$PART" in
     timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
         --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
-  *) echo "unknown part $PART (tests-a, tests-b, decode, prefill, tp)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, decode, prefill, context, tp)" >&2; exit 2 ;;
 esac

@@ -432,8 +432,8 @@ def test_graphed_verification_rounds_equal_eager(name, seed):
 @pytest.mark.parametrize("name", ["tiny-dense", "small", "27b-4layers"])
 @pytest.mark.parametrize("columns", [1, 4])
 def test_teacher_forced_with_tensor_core_decode_attention(name, columns, seed, monkeypatch):
-    """The teacher-forced check with decode and verification attention on decode_attention_tc (opt-in,
-    TANDEM_DECODE_ATTENTION=tc) from the first key on; tiny-dense's head dim has no tensor-core kernel,
+    """The teacher-forced check with decode and verification attention on decode_attention_tc (the
+    default from TC_DECODE_MIN_LEN keys) from the first key on; tiny-dense's head dim has no tensor-core kernel,
     so it checks the fallback to the CUDA-core kernel."""
     from ranks import model_cuda
     monkeypatch.setattr(model_cuda, "TC_DECODE_ATTENTION", True)

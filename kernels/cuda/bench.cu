@@ -27,3 +27,24 @@ extern "C" __global__ void __launch_bounds__(512) read_probe(const uint4* __rest
     }
     if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;      // practically never taken, but not provably
 }
+
+// Probe of programmatic dependent launch (tests/test_cuda_launch.py). pdl_probe_primary triggers its
+// dependents, then one thread waits (up to `spin_cycles` clocks) for pdl_probe_secondary, launched
+// right after it on the stream, to raise `flag`, which the secondary does before its pdl_wait (what a
+// real kernel may not do; here it is the point): result[0] = 1 if the secondary ran while the primary
+// was still running, 2 if the wait ran out (the secondary only started after the primary: an
+// ordinary launch, or PDL not in effect). result[1] = 1 once the secondary is past its pdl_wait.
+extern "C" __global__ void pdl_probe_primary(int* flag, int* result, long long spin_cycles) {
+    pdl_trigger();
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const long long t0 = clock64();
+        while (*(volatile int*)flag == 0 && clock64() - t0 < spin_cycles) __nanosleep(200);
+        result[0] = *(volatile int*)flag != 0 ? 1 : 2;
+    }
+}
+
+extern "C" __global__ void pdl_probe_secondary(int* flag, int* result) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicExch(flag, 1);
+    pdl_wait();
+    if (blockIdx.x == 0 && threadIdx.x == 0) result[1] = 1;
+}
