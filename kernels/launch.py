@@ -134,9 +134,14 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
         fn(grid, block, tuple(_arg(a) for a in args), shared_mem=shared_mem)
 
 
-# cuda.h: CUlaunchAttribute (id, 4 bytes of padding, a 64-byte value union) and CUlaunchConfig.
+# cuda.h: CUlaunchAttribute (id, 4 bytes of padding, a 64-byte value union) and CUlaunchConfig. (The
+# union's padding is c_ubyte, not c_char: ctypes hands out a c_char array field as a bytes copy.)
+class LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_ubyte * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+
+
 class LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4), ("value", LaunchAttributeValue)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -177,7 +182,7 @@ def launch_config(grid, block, shared_mem: int, stream: int, attrs) -> LaunchCon
 def pdl_attributes():
     attrs = (LaunchAttribute * 1)()
     attrs[0].id = ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-    ctypes.memmove(attrs[0].value, ctypes.byref(ctypes.c_int(1)), 4)    # programmaticStreamSerializationAllowed
+    attrs[0].value.programmaticStreamSerializationAllowed = 1
     return attrs
 
 

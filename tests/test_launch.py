@@ -40,7 +40,7 @@ def test_launch_structures_match_cuda_h(tmp_path: Path):
     exe = tmp_path / "layout"
     subprocess.run([NVCC, "-o", str(exe), str(src)], check=True, capture_output=True, text=True)
     got = [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
-    mine = [ctypes.sizeof(L.LaunchAttribute), L.LaunchAttribute.value.offset, L.LaunchAttribute.value.size,
+    mine = [ctypes.sizeof(L.LaunchAttribute), L.LaunchAttribute.value.offset, ctypes.sizeof(L.LaunchAttributeValue),
             ctypes.sizeof(L.LaunchConfig), L.LaunchConfig.hStream.offset, L.LaunchConfig.attrs.offset,
             L.LaunchConfig.numAttrs.offset, L.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION]
     assert mine == got
@@ -77,8 +77,11 @@ def test_kernel_params_refuse_unsized_values():
 
 def test_pdl_attribute_and_config():
     attrs = L.pdl_attributes()
-    assert attrs[0].id == L.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-    assert ctypes.cast(attrs[0].value, ctypes.POINTER(ctypes.c_int)).contents.value == 1
+    raw = ctypes.string_at(ctypes.addressof(attrs), ctypes.sizeof(L.LaunchAttribute))   # the bytes the driver reads
+    assert int.from_bytes(raw[0:4], "little") == L.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert int.from_bytes(raw[8:12], "little") == 1                  # value.programmaticStreamSerializationAllowed
+    assert raw[4:8] == bytes(4) and raw[12:] == bytes(60)
+    assert b"" == bytes() and len(b"") == 0                         # no write went through a bytes object
     cfg = L.launch_config((3, 2, 1), (256, 1, 1), 1024, 0xABC0, attrs)
     assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes) == (3, 2, 1, 256, 1024)
     assert cfg.hStream == 0xABC0 and cfg.numAttrs == 1 and cfg.attrs[0].id == attrs[0].id
