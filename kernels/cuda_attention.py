@@ -155,10 +155,10 @@ def qk_norm_rope_kv_write(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             np.int64(v.stride(0)), np.float32(eps), np.float32(theta))
     if quant:
         fn = L.kernel(_SRC, "qk_norm_rope_kv_write_i8", dev)
-        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool, k_scale, v_scale) + tail, device=dev)
+        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool, k_scale, v_scale) + tail, device=dev, pdl=True)
     else:
         fn = L.kernel(_SRC, "qk_norm_rope_kv_write_bf16", dev)
-        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool) + tail, device=dev)
+        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool) + tail, device=dev, pdl=True)
     return q_out
 
 
@@ -269,12 +269,12 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     L.launch(fn, (N, KV * (G // GC), S), (_ATT_THREADS,),
              (out, part_ml, part_acc, q) + pools + (page_tables, positions, seq_of_col, gate,
               H, KV, D, page_tables.shape[1], chunk, S, np.int64(gs0), np.int64(gs1),
-              np.float32(scale * _LOG2E)), device=dev)
+              np.float32(scale * _LOG2E)), device=dev, pdl=True)
     if S > 1:
         fn = L.kernel(_SRC, "gqa_decode_combine", dev)
         L.launch(fn, (N, H), (_COMBINE_THREADS,),
                  (out, part_ml, part_acc, positions, gate, H, D, chunk, S, np.int64(gs0), np.int64(gs1)),
-                 device=dev)
+                 device=dev, pdl=True)
     return out
 
 
@@ -586,5 +586,5 @@ def decode_attention_tc(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
              shared_mem=smem, device=dev)
     L.launch(L.kernel(_SRC, "gqa_decode_combine", dev), (N, H), (_COMBINE_THREADS,),
              (out, part_ml, part_acc, positions, gate, H, D, chunk_tiles * PAGE_SIZE, S, np.int64(gs0),
-              np.int64(gs1)), device=dev)
+              np.int64(gs1)), device=dev, pdl=True)
     return out

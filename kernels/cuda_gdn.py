@@ -108,7 +108,7 @@ def conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, cu_seql
     chunks = -(-longest // _CONV_COLS)
     grid = (-(-C // _CONV_THREADS), B, chunks)
     launch(kernel(_SOURCE, "gdn_conv1d_bf16", dev), grid, (_CONV_THREADS,),
-           (out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, K, 1 if update_state else 0), device=dev)
+           (out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, K, 1 if update_state else 0), device=dev, pdl=True)
     return out
 
 
@@ -179,7 +179,7 @@ def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Te
     grid = (-(-groups // wpb), HV, B)
     launch(kernel(_SOURCE, _REC_KERNELS[DK], dev), grid, (32 * wpb,),
            (out, keep_states, state, y, a, b, A_log, dt_bias, flags, slots, cu_seqlens, fresh,
-            N, HK, HV, DV, float(DK ** -0.5)), device=dev)
+            N, HK, HV, DV, float(DK ** -0.5)), device=dev, pdl=True)
     return out
 
 
@@ -266,5 +266,5 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, out: Tensor
     if rows == 0:
         return out
     launch(kernel(_SOURCE, "gdn_gated_rms_norm_bf16", dev), (-(-rows // _NORM_WARPS),), (32 * _NORM_WARPS,),
-           (out, x, z, weight, 1 if weight.dtype == torch.bfloat16 else 0, rows, DV, float(eps)), device=dev)
+           (out, x, z, weight, 1 if weight.dtype == torch.bfloat16 else 0, rows, DV, float(eps)), device=dev, pdl=True)
     return out

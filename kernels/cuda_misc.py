@@ -86,11 +86,11 @@ def embedding(ids: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor:
     if E % 8 == 0 and _aligned(table, out):
         threads = min(256, _round32(E // 8))
         launch(kernel("norm", "embedding_bf16_v8", dev), (N, _cdiv(E // 8, threads)), (threads,),
-               (out, ids, ids64, table, V, E), device=dev)
+               (out, ids, ids64, table, V, E), device=dev, pdl=True)
     else:
         threads = min(256, _round32(E))
         launch(kernel("norm", "embedding_bf16_generic", dev), (N, _cdiv(E, threads)), (threads,),
-               (out, ids, ids64, table, V, E), device=dev)
+               (out, ids, ids64, table, V, E), device=dev, pdl=True)
     return out
 
 
@@ -120,7 +120,7 @@ def _norm_launch(out: Tensor, x_out: Tensor | None, x: Tensor, y: Tensor | None,
         assert E <= NORM_MAXS * threads
         name = "add_rms_norm_bf16_generic" if add else "rms_norm_bf16_generic"
     args = ((out, x_out, x, y, weight) if add else (out, x, weight)) + (np.int32(E), inv_e, eps32)
-    launch(kernel("norm", name, dev), (rows,), (threads,), args, device=dev)
+    launch(kernel("norm", name, dev), (rows,), (threads,), args, device=dev, pdl=True)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
@@ -184,11 +184,11 @@ def swiglu(y: Tensor, out: Tensor | None = None) -> Tensor:
     if Fh % 8 == 0 and _aligned(y, out):
         threads = min(256, _round32(Fh // 8))
         launch(kernel("norm", "swiglu_bf16_v8", dev), (_cdiv(Fh // 8, threads), T), (threads,), (out, y, Fh),
-               device=dev)
+               device=dev, pdl=True)
     else:
         threads = min(256, _round32(Fh))
         launch(kernel("norm", "swiglu_bf16_generic", dev), (_cdiv(Fh, threads), T), (threads,), (out, y, Fh),
-               device=dev)
+               device=dev, pdl=True)
     return out
 
 
@@ -216,7 +216,7 @@ def moe_route(logits: Tensor, top_k: int, weights_out: Tensor | None = None,
         return weights_out, ids_out
     warps = 4
     launch(kernel("moe", "moe_route_topk", dev), (_cdiv(N, warps),), (32 * warps,),
-           (weights_out, ids_out, logits, int(logits.dtype == torch.float32), N, X, int(top_k)), device=dev)
+           (weights_out, ids_out, logits, int(logits.dtype == torch.float32), N, X, int(top_k)), device=dev, pdl=True)
     return weights_out, ids_out
 
 
@@ -272,10 +272,10 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
     ids64 = int(ids.dtype == torch.int64)
     warps = MOE_THREADS // 32
     launch(kernel("moe", "moe_gate_up_swiglu", dev), (_cdiv(I, warps), A, N), (MOE_THREADS,),
-           (h, x, ids, ids64, gate_up, E, I, X, A), shared_mem=smem_a, device=dev)
+           (h, x, ids, ids64, gate_up, E, I, X, A), shared_mem=smem_a, device=dev, pdl=True)
     launch(kernel("moe", "moe_down_combine", dev), (_cdiv(E, warps), N), (MOE_THREADS,),
            (out, h, ids, ids64, weights, int(weights.dtype == torch.float32), down, E, I, X, A),
-           shared_mem=smem_b, device=dev)
+           shared_mem=smem_b, device=dev, pdl=True)
     return out
 
 

@@ -121,6 +121,9 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if min(grid) <= 0:
         return
+    if pdl and not is_pdl_kernel(getattr(fn, "name", "")):
+        raise KernelError(f"{getattr(fn, 'name', fn)!r} is not a registered dependent kernel (PDL_KERNELS): "
+                          "it must call pdl_wait() before touching what earlier kernels wrote")
     import cupy
     if pdl and pdl_enabled(device):
         grid3, block3 = (grid + (1, 1))[:3], (block + (1, 1))[:3]
@@ -132,6 +135,25 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
     stream = _stream(torch.cuda.current_stream(device).cuda_stream, device)
     with cupy.cuda.Device(device), stream:
         fn(grid, block, tuple(_arg(a) for a in args), shared_mem=shared_mem)
+
+
+# Kernels that may be launched with pdl=True: each calls pdl_wait() before it reads anything an earlier
+# kernel wrote or writes anything (tests/test_launch.py checks their PTX). The GEMV kernels put weight
+# loads in flight first; the others wait at entry (pdl_enter()).
+PDL_PREFIXES = ("gemv_bf16_", "gemv_fp8row_", "gemv_fp8blk_", "gemv_nvfp4", "gqa_decode_split_g", "gqa_decode_split_i8_g",
+                "gdn_recurrent_dk")
+PDL_KERNELS = frozenset({
+    "embedding_bf16_v8", "embedding_bf16_generic", "rms_norm_bf16_v8", "rms_norm_bf16_generic",
+    "add_rms_norm_bf16_v8", "add_rms_norm_bf16_generic", "swiglu_bf16_v8", "swiglu_bf16_generic",
+    "moe_route_topk", "moe_gate_up_swiglu", "moe_down_combine", "qk_norm_rope_kv_write_bf16",
+    "qk_norm_rope_kv_write_i8", "gqa_decode_combine", "gdn_conv1d_bf16", "gdn_gated_rms_norm_bf16"})
+PDL_WAIT_FIRST = ("gemv_",)                          # may start loads (weights only) before pdl_wait
+# bench.cu's probe (tests/test_cuda_launch.py) writes a flag before its wait on purpose
+PDL_PROBES = frozenset({"pdl_probe_secondary"})
+
+
+def is_pdl_kernel(name: str) -> bool:
+    return name in PDL_KERNELS or name in PDL_PROBES or name.startswith(PDL_PREFIXES)
 
 
 # cuda.h: CUlaunchAttribute (id, 4 bytes of padding, a 64-byte value union) and CUlaunchConfig. (The

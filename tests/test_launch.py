@@ -102,16 +102,61 @@ def _entries(ptx: str) -> dict[str, str]:
     return out
 
 
+def _memory_ops_before_wait(body: str) -> list[str]:
+    """Global (or generic) loads, stores, atomics and async copies before the first griddepcontrol.wait."""
+    head = body.split("griddepcontrol.wait")[0]
+    found = []
+    for line in head.splitlines():
+        tok = line.strip().split(" ")[0].split("\t")[0]
+        if tok.startswith("@"):                                         # predicated: the instruction follows
+            parts = line.strip().split()
+            tok = parts[1] if len(parts) > 1 else ""
+        if not tok.startswith(("ld.", "st.", "atom.", "red.", "cp.async.", "prefetch.")):
+            continue
+        spaces = set(tok.split("."))
+        if spaces & {"param", "shared", "local", "const"} and "global" not in spaces:
+            continue
+        found.append(tok)
+    return found
+
+
 @needs_nvcc
 def test_every_pdl_kernel_waits(tmp_path: Path):
-    """cuda_linear launches every gemv_* kernel with pdl=True: each must execute griddepcontrol.wait
-    (sm_90), and below sm_90 none may contain the instruction."""
-    out = tmp_path / "gemv.ptx"
-    base = [NVCC, *L.COMPILE_OPTIONS, f"-I{L.CUDA_DIR}", "-ptx", "-o", str(out), str(L.CUDA_DIR / "gemv.cu")]
-    subprocess.run(base + ["-arch=sm_90a"], check=True, capture_output=True, text=True)
-    entries = {k: v for k, v in _entries(out.read_text()).items() if k.startswith("gemv_")}
-    assert len(entries) >= 20
-    missing = [k for k, body in entries.items() if "griddepcontrol.wait" not in body]
-    assert not missing, f"launched with pdl=True but never wait: {missing}"
-    subprocess.run(base + ["-arch=sm_86"], check=True, capture_output=True, text=True)
-    assert "griddepcontrol" not in out.read_text()
+    """Every kernel kernels/launch.py lets run as a dependent launch (is_pdl_kernel) executes
+    griddepcontrol.wait (sm_90): the GEMV kernels after putting weight loads in flight, every other
+    one before any global load, store, atomic or async copy. Every registered name exists, and below
+    sm_90 no kernel contains the instruction."""
+    seen = set()
+    for src in L.source_files():
+        out = tmp_path / f"{src.stem}.ptx"
+        base = [NVCC, *L.COMPILE_OPTIONS, f"-I{L.CUDA_DIR}", "-ptx", "-o", str(out), str(src)]
+        subprocess.run(base + ["-arch=sm_90a"], check=True, capture_output=True, text=True)
+        for name, body in _entries(out.read_text()).items():
+            if not L.is_pdl_kernel(name):
+                continue
+            seen.add(name)
+            assert "griddepcontrol.wait" in body, f"{src.name}: {name} may be a dependent launch but never waits"
+            if not name.startswith(L.PDL_WAIT_FIRST) and name not in L.PDL_PROBES:
+                early = _memory_ops_before_wait(body)
+                assert not early, f"{src.name}: {name} touches memory before griddepcontrol.wait: {early}"
+        if src.stem in ("gemv", "norm"):                                # spot check of the older targets
+            subprocess.run(base + ["-arch=sm_86"], check=True, capture_output=True, text=True)
+            assert "griddepcontrol" not in out.read_text()
+    assert L.PDL_KERNELS <= seen, f"registered but not in any source: {sorted(L.PDL_KERNELS - seen)}"
+    assert sum(n.startswith("gemv_") for n in seen) >= 20
+    assert any(n.startswith("gqa_decode_split_g") for n in seen) and any(n.startswith("gdn_recurrent_dk") for n in seen)
+
+
+def test_memory_op_scan_sees_loads_and_stores():
+    body = "mov.u32 %r1, 0;\n\tld.param.u64 %rd1, [p];\n\t@%p1 ld.global.nc.v4.u32 {%r1}, [%rd2];\n" \
+           "\tst.shared.u32 [%r3], %r1;\n\tst.u32 [%rd4], %r1;\n\tgriddepcontrol.wait;\n\tld.global.u32 %r5, [%rd5];"
+    assert _memory_ops_before_wait(body) == ["ld.global.nc.v4.u32", "st.u32"]
+
+
+def test_launch_refuses_unregistered_dependents():
+    class Fn:
+        name = "some_kernel"
+    assert L.is_pdl_kernel("gemv_bf16_t1") and L.is_pdl_kernel("add_rms_norm_bf16_v8")
+    assert not L.is_pdl_kernel("dequant_bf16") and not L.is_pdl_kernel("prefill_attn_split_d256")
+    with pytest.raises(L.KernelError, match="not a registered dependent kernel"):
+        L.launch(Fn(), (1,), (32,), (), device=0, pdl=True)

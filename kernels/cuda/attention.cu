@@ -237,6 +237,7 @@ qk_norm_rope_kv_write_bf16(bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_po
                            const int* __restrict__ seq_of_col, const int* __restrict__ page_tables,
                            int H, int KV, int D, int R, int max_pages, i64_t qg_stride, i64_t k_stride,
                            i64_t v_stride, float eps, float theta) {
+    pdl_enter();
     qk_norm_rope_kv_write<bf16_t>(q_out, k_pool, v_pool, nullptr, nullptr, qg, k, v, q_w, k_w, positions, seq_of_col,
                                   page_tables, H, KV, D, R, max_pages, qg_stride, k_stride, v_stride, eps, theta);
 }
@@ -250,6 +251,7 @@ qk_norm_rope_kv_write_i8(bf16_t* __restrict__ q_out, i8_t* __restrict__ k_pool, 
                          const int* __restrict__ positions, const int* __restrict__ seq_of_col,
                          const int* __restrict__ page_tables, int H, int KV, int D, int R, int max_pages,
                          i64_t qg_stride, i64_t k_stride, i64_t v_stride, float eps, float theta) {
+    pdl_enter();
     qk_norm_rope_kv_write<i8_t>(q_out, k_pool, v_pool, k_scale, v_scale, qg, k, v, q_w, k_w, positions, seq_of_col,
                                 page_tables, H, KV, D, R, max_pages, qg_stride, k_stride, v_stride, eps, theta);
 }
@@ -492,7 +494,7 @@ __device__ __forceinline__ void attn_split(bf16_t* __restrict__ out, float* __re
                            const int* positions, const int* seq_of_col, const bf16_t* gate, int H,   \
                            int KV, int D, int max_pages, int chunk, int S, i64_t gate_s0,            \
                            i64_t gate_s1, float scale_log2) {                                        \
-        pdl_trigger();                                                                             \
+        pdl_enter();                                                                               \
         attn_split<GC>(out, part_ml, part_acc, q, k_pool, v_pool, page_tables, positions, seq_of_col, \
                        gate, H, KV, D, max_pages, chunk, S, gate_s0, gate_s1, scale_log2);           \
     }
@@ -659,7 +661,7 @@ __device__ __forceinline__ void attn_split_i8(bf16_t* __restrict__ out, float* _
                               const int* seq_of_col, const bf16_t* gate, int H, int KV, int D,       \
                               int max_pages, int chunk, int S, i64_t gate_s0, i64_t gate_s1,         \
                               float scale_log2) {                                                    \
-        pdl_trigger();                                                                             \
+        pdl_enter();                                                                               \
         attn_split_i8<GC>(out, part_ml, part_acc, q, k_pool, v_pool, k_scale, v_scale, page_tables,   \
                           positions, seq_of_col, gate, H, KV, D, max_pages, chunk, S, gate_s0,       \
                           gate_s1, scale_log2);                                                      \
@@ -678,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(64)
 gqa_decode_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                    const int* __restrict__ positions, const bf16_t* __restrict__ gate, int H, int D, int chunk,
                    int S, i64_t gate_s0, i64_t gate_s1) {
-    pdl_trigger();                                          // lets the o_proj GEMV start (launch.py)
+    pdl_enter();
     const int n = blockIdx.x, h = blockIdx.y;
     const int L = positions[n] + 1;
     int active = 0;                                         // splits s with s * chunk < L

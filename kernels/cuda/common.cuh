@@ -164,3 +164,10 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
+
+// Entry of a kernel launched with pdl=True that has nothing to do before its inputs are ready: let
+// the next kernel start, then wait for the previous ones (so nothing is read or written before).
+__device__ __forceinline__ void pdl_enter() {
+    pdl_trigger();
+    pdl_wait();
+}

@@ -40,6 +40,7 @@ gdn_conv1d_bf16(bf16_t* __restrict__ out,                // [N, C]
                 const int* __restrict__ slots, const int* __restrict__ cu_seqlens,
                 const int* __restrict__ fresh, int N, int C, int K, int update_state)
 {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int bseq = blockIdx.y;
@@ -328,6 +329,7 @@ __device__ __forceinline__ void gdn_recurrent_body(
         const void* __restrict__ A_log, const void* __restrict__ dt_bias, int flags,                    \
         const int* __restrict__ slots, const int* __restrict__ cu_seqlens, const int* __restrict__ fresh, \
         int N, int HK, int HV, int DV, float scale) {                                                   \
+        pdl_enter();                                                                                    \
         gdn_recurrent_body<RPT>(out, keep, state, y, a, b, A_log, dt_bias, flags, slots, cu_seqlens,     \
                                 fresh, N, HK, HV, DV, scale);                                           \
     }
@@ -348,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(256)
 gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, const bf16_t* __restrict__ z,
                         const void* __restrict__ weight, int w_bf16, int rows, int DV, float eps)
 {
-    pdl_trigger();                                        // lets the out_proj GEMV start (launch.py)
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;                              // warp-uniform

@@ -27,7 +27,7 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
 // logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
 extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
                                           int N, int X, int K) {
-    pdl_trigger();
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= N) return;                                      // uniform per warp
@@ -117,7 +117,7 @@ __device__ __forceinline__ float moe_round_bf16(float v) { return bf16_to_f32(f3
 // E % 8 == 0 and I % 8 == 0; x, gate_up and h 16-byte aligned.
 extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
                                               const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
-    pdl_trigger();
+    pdl_enter();
     extern __shared__ uint4 moe_sx[];
     const int n = blockIdx.z, a = blockIdx.y;
     const int nvec = E >> 3;
@@ -163,7 +163,7 @@ extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const 
 extern "C" __global__ void moe_down_combine(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
                                             const void* weights, int w_f32, const bf16_t* __restrict__ down,
                                             int E, int I, int X, int A) {
-    pdl_trigger();
+    pdl_enter();
     extern __shared__ uint4 moe_sh[];
     const int n = blockIdx.y;
     const int nci = I >> 3;                                   // 16-byte chunks per row

@@ -124,27 +124,27 @@ __device__ __forceinline__ void norm_row_generic(bf16_t* out, bf16_t* x_out, con
 // grid (rows), block: a multiple of 32 (<= 1024) with E / 8 <= NORM_MAXV * block.
 extern "C" __global__ void rms_norm_bf16_v8(bf16_t* out, const bf16_t* x, const bf16_t* w, int E, float inv_e,
                                             float eps) {
-    pdl_trigger();
+    pdl_enter();
     norm_row_v8<false>(out, nullptr, x, nullptr, w, E, inv_e, eps);
 }
 
 // grid (rows), block: a multiple of 32 (<= 1024) with E <= NORM_MAXS * block.
 extern "C" __global__ void rms_norm_bf16_generic(bf16_t* out, const bf16_t* x, const bf16_t* w, int E,
                                                  float inv_e, float eps) {
-    pdl_trigger();
+    pdl_enter();
     norm_row_generic<false>(out, nullptr, x, nullptr, w, E, inv_e, eps);
 }
 
 extern "C" __global__ void add_rms_norm_bf16_v8(bf16_t* out, bf16_t* x_out, const bf16_t* x, const bf16_t* y,
                                                 const bf16_t* w, int E, float inv_e, float eps) {
-    pdl_trigger();
+    pdl_enter();
     norm_row_v8<true>(out, x_out, x, y, w, E, inv_e, eps);
 }
 
 extern "C" __global__ void add_rms_norm_bf16_generic(bf16_t* out, bf16_t* x_out, const bf16_t* x,
                                                      const bf16_t* y, const bf16_t* w, int E, float inv_e,
                                                      float eps) {
-    pdl_trigger();
+    pdl_enter();
     norm_row_generic<true>(out, x_out, x, y, w, E, inv_e, eps);
 }
 
@@ -158,6 +158,7 @@ __device__ __forceinline__ long long emb_row(const void* ids, int ids64, int n, 
 // grid (N, ceil(E / 8 / block)), E % 8 == 0 and 16-byte aligned table and out.
 extern "C" __global__ void embedding_bf16_v8(bf16_t* out, const void* ids, int ids64, const bf16_t* table, int V,
                                              int E) {
+    pdl_enter();
     const int n = blockIdx.x;
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= (E >> 3)) return;
@@ -169,6 +170,7 @@ extern "C" __global__ void embedding_bf16_v8(bf16_t* out, const void* ids, int i
 // grid (N, ceil(E / block)), any E.
 extern "C" __global__ void embedding_bf16_generic(bf16_t* out, const void* ids, int ids64, const bf16_t* table,
                                                   int V, int E) {
+    pdl_enter();
     const int n = blockIdx.x;
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= E) return;
@@ -188,6 +190,7 @@ __device__ __forceinline__ float swiglu_one(float g, float u) {
 
 // grid (ceil(F / 8 / block), T); F % 8 == 0, y and out 16-byte aligned.
 extern "C" __global__ void swiglu_bf16_v8(bf16_t* __restrict__ out, const bf16_t* __restrict__ y, int F) {
+    pdl_enter();
     const int t = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (F >> 3)) return;
@@ -206,6 +209,7 @@ extern "C" __global__ void swiglu_bf16_v8(bf16_t* __restrict__ out, const bf16_t
 
 // grid (ceil(F / block), T), any F.
 extern "C" __global__ void swiglu_bf16_generic(bf16_t* __restrict__ out, const bf16_t* __restrict__ y, int F) {
+    pdl_enter();
     const int t = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= F) return;
