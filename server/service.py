@@ -407,6 +407,9 @@ class Service:
         if start != "content" or not request.tools or self.template is None or not self.template.xml_tool_calls:
             return ""
         if choice == "required":
+            names = [(t.get("function") or {}).get("name") or t.get("name") for t in request.tools]
+            if len(names) == 1 and isinstance(names[0], str) and names[0]:
+                return f"<tool_call>\n<function={names[0]}>\n"      # one tool: the call is its call
             return "<tool_call>\n<function="
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name") or choice.get("name")

@@ -143,6 +143,8 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": 5}, "prompt"),
     ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "tiny", "prompt": [1, "x"]}, "prompt[1]"),
+    ({"model": "tiny", "prompt": [["a"]]}, "prompt[0]"),
+    ({"model": "tiny", "prompt": [[1, True]]}, "prompt[0]"),
     ({"model": "tiny", "prompt": [1, 2**40]}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),

@@ -500,3 +500,14 @@ def test_tool_choice_required_with_an_undeclared_name_leaves_no_markup(fake):
     m = r.choices[0].message
     assert m.tool_calls is None and "<tool_call>" not in (m.content or "") and "<function=" not in (m.content or "")
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_required_with_one_tool_forces_its_name(fake):
+    fake.engine.script("<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")
+    r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required",
+                                            reasoning_effort="none")
+    assert fake.engine.prompt_text().endswith("<tool_call>\n<function=get_weather>\n")
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert r.choices[0].finish_reason == "tool_calls"
+
