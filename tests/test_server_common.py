@@ -503,6 +503,40 @@ def test_serve_finishes_in_flight_work_on_sigterm_exits_0_and_leaves_no_rank_beh
     assert tp and {"interval_s", "pages_total", "generated_tokens_delta"} <= set(tp[-1])
 
 
+def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_not_a_cut(tmp_path):
+    """SIGTERM with --shutdown-timeout-s 3 and requests that would run far longer: before uvicorn's deadline
+    the engine stops, the stream ends with an in-band error event ("shutting down"), the non-streamed
+    request gets a JSON 503; exit 0, no rank left."""
+    p = ServeProcess(tiny_model_dir(), "--max-context", "4096", "--shutdown-timeout-s", "3")
+    try:
+        p.wait_healthy()
+        ranks = _rank_pids(p.proc.pid)
+        long = {**CHAT, "max_tokens": 4000, "ignore_eos": True}
+        result = {}
+
+        def plain():
+            result["r"] = httpx.post(p.url + "/v1/chat/completions", json=long, timeout=60)
+        t = threading.Thread(target=plain)
+        with httpx.stream("POST", p.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            t.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            p.proc.send_signal(signal.SIGTERM)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        t.join(30)
+        assert time.monotonic() - t0 < 10
+        err = json.loads(rest[-1][6:])["error"]             # api.md: an in-band error, then close
+        assert "shutting down" in err["message"], err
+        plain_r = result["r"]
+        assert plain_r.status_code == 503 and "shutting down" in plain_r.json()["error"]["message"], plain_r.text
+        assert p.proc.wait(30) == 0, "".join(p.lines)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        p.close()
+
+
 def test_serve_exits_nonzero_promptly_when_a_rank_dies():
     p = ServeProcess(tiny_model_dir(), "--max-context", "2048")
     try:
