@@ -71,7 +71,14 @@ def serve(args, argv: list[str]) -> int:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                      f"{spec.max_position_embeddings}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    from ranks.weights import CheckpointError
+    from ranks.weights import Checkpoint, CheckpointError, validate
+    if not args.random_weights:
+        # every header, name, shape and dtype now (headers only, no tensor data): a checkpoint that cannot
+        # load exits 2 before anything listens, not 1 from a rank after the port is bound
+        try:
+            validate(Checkpoint(model_dir), spec)
+        except (CheckpointError, OSError) as e:
+            return _fail(f"cannot load {model_dir}: {e}")
     from server.cli import spec_draft_tokens
     try:
         spec_k = spec_draft_tokens(args, model_dir)

@@ -557,3 +557,34 @@ def test_serve_refuses_a_bad_model_dir_with_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(tmp_path), "--port", "0"], cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "cannot load" in r.stderr
+
+
+@pytest.mark.parametrize("damage", ["missing_tensor", "truncated_shard"])
+def test_serve_refuses_an_unloadable_checkpoint_with_exit_2_before_listening(tmp_path, damage):
+    """A checkpoint that cannot load (a tensor missing, a shard cut short) exits 2 naming the problem
+    before the port is bound, so systemd's RestartPreventExitStatus=2 stops a restart loop."""
+    import json as _json
+    import shutil
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), d)
+    shard = next(d.glob("*.safetensors"))
+    if damage == "truncated_shard":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) - 64])
+        want = "truncated"
+    else:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(str(shard))
+        victim = sorted(k for k in tensors if "layers.0." in k)[0]
+        del tensors[victim]
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        index = d / "model.safetensors.index.json"
+        if index.exists():
+            idx = _json.loads(index.read_text())
+            idx["weight_map"].pop(victim, None)
+            index.write_text(_json.dumps(idx))
+        want = victim.split("layers.0.", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(d), "--port", "0"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "cannot load" in r.stderr and want in r.stderr and "listening" not in r.stderr, r.stderr
