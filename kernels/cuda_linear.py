@@ -370,12 +370,13 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
     O, I = _shape(w)
     dev = w.data.device if isinstance(w, QuantWeight) else w.device
     T = _check_x(x, I, dev)
-    if out is None and residual is None and T > GEMV_COLUMNS[_kind_of(w)]:
+    on_gemv = _on_gemv(_kind_of(w), I, T)
+    if out is None and residual is None and not on_gemv:
         return _prefill(x, w)                          # cuBLAS's own output: no copy
     out = _out(out, (T, O), dev)
     if residual is not None:
         residual = _out(residual, (T, O), dev, "residual")
-    if T <= GEMV_COLUMNS[_kind_of(w)]:
+    if on_gemv:
         return _gemv(x, w, out, residual, swiglu=False)
     y = _prefill(x, w)
     if residual is not None:
@@ -399,7 +400,7 @@ def linear_split(x: torch.Tensor, w, sizes, outs: list | None = None) -> list[to
     if len(outs) != len(sizes):
         raise L.KernelError(f"linear_split: {len(outs)} outputs for {len(sizes)} parts")
     outs = [_out(o, (T, n), dev, f"outs[{i}]") for i, (o, n) in enumerate(zip(outs, sizes))]
-    if len(sizes) > 1 and T <= GEMV_COLUMNS[_kind_of(w)]:
+    if len(sizes) > 1 and _on_gemv(_kind_of(w), I, T):
         _gemv(x, w, outs[0], None, swiglu=False, parts=outs)
         return outs
     a = 0
@@ -416,6 +417,14 @@ def weight_rows(w, a: int, b: int):
             raise L.KernelError(f"fp8_block weight rows from {a}: must start at a multiple of 128")
         return _slab(w, a, b)
     return w[a:b]
+
+
+def _on_gemv(kind: str, I: int, T: int) -> bool:
+    """Whether a launch of T columns goes to the GEMV kernels (else cuBLAS): up to GEMV_COLUMNS[kind],
+    and bf16 up to 8 columns under TANDEM_GEMV_VARIANT=pipelined (gemv_bf16_pipe)."""
+    if T <= GEMV_COLUMNS[kind]:
+        return True
+    return kind == "bf16" and gemv_variant() == "pipelined" and pipe_applies(kind, I, T)
 
 
 def _shape(w):
@@ -437,6 +446,6 @@ def linear_swiglu(x: torch.Tensor, w_gate_up, out: torch.Tensor | None = None) -
     dev = w_gate_up.data.device if isinstance(w_gate_up, QuantWeight) else w_gate_up.device
     T = _check_x(x, I, dev)
     out = _out(out, (T, Fh), dev)
-    if T <= GEMV_COLUMNS[_kind_of(w_gate_up)]:
+    if _on_gemv(_kind_of(w_gate_up), I, T):
         return _gemv(x, w_gate_up, out, None, swiglu=True)
     return cuda_misc.swiglu(_prefill(x, w_gate_up).contiguous(), out=out)

@@ -115,6 +115,23 @@ def step_bytes(model, spec, C: int, context: int) -> dict:
     return dict(weights=wb, kv=kv, gdn_state=gdn, total=wb + kv + gdn)
 
 
+def linear_params(weights: dict) -> int:
+    """Parameters of the layers' 2-D linear weights (not the embedding, the head or the MTP layer),
+    each storage once: the gate / up views of the fused gate|up weight (and any other view) are not
+    counted again. (Before 2026-11-30's sixth session they were, which overstated every prefill
+    "of matmul rate" by 1.47x on the 27B; docs/perf.md.)"""
+    held = {id(v) for v in weights.values() if isinstance(v, torch.Tensor)}
+    total = 0
+    for k, v in weights.items():
+        if not isinstance(v, torch.Tensor) or v.dim() != 2 or k.startswith("mtp.") or "embed" in k \
+                or k == "lm_head.weight":
+            continue
+        if v._base is not None and id(v._base) in held:    # a view of a weight counted on its own
+            continue
+        total += v.numel()
+    return total
+
+
 @contextlib.contextmanager
 def environment(env: dict[str, str]):
     """Set environment variables for a block (and drop the caches that read them once per process)."""
@@ -338,9 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"floor {floor * 1e3:7.2f} ms  {floor / t:6.1%} of floor", flush=True)
         if fmt == "bf16":
             # the layers' matmuls run on every token; the head only on the last one
-            active = sum(v.numel() for k, v in model.w.items()
-                         if isinstance(v, torch.Tensor) and v.dim() == 2 and not k.startswith("mtp.")
-                         and "embed" not in k and k != "lm_head.weight")
+            active = linear_params(model.w)
             for L in args.prefill:
                 for chunk in args.prefill_chunk:
                     first, t = time_prefill(model, state, L, chunk)
