@@ -160,16 +160,26 @@ _CTYPE = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int
           np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8}
 
 
-def kernel_params(args) -> tuple[ctypes.Array, list]:
+def kernel_params(args) -> tuple[ctypes.Array, ctypes.Structure]:
     """cuLaunchKernelEx's kernelParams: an array of pointers to each argument's value, and the values
-    (kept alive by the caller). Arguments are numpy scalars (launch's _arg made them so)."""
-    vals = []
+    (one ctypes structure with a field per argument, kept alive by the caller). Arguments are numpy
+    scalars (launch's _arg made them so)."""
     for a in args:
         if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
             raise KernelError(f"kernel argument {a!r}: expected a numpy scalar of a fixed width")
-        vals.append(_CTYPE[a.dtype](a.item()))
-    ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+    struct, offsets = _param_layout(tuple(a.dtype for a in args))
+    vals = struct(*[a.item() for a in args])
+    base = ctypes.addressof(vals)
+    ptrs = (ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets])
     return ptrs, vals
+
+
+@functools.lru_cache(maxsize=256)
+def _param_layout(dtypes: tuple) -> tuple[type, tuple[int, ...]]:
+    """A ctypes structure type with one field per argument dtype, and the fields' offsets (a launch
+    signature's layout, built once: building ctypes values one by one cost ~50 us per launch)."""
+    struct = type("KernelParams", (ctypes.Structure,), {"_fields_": [(f"a{i}", _CTYPE[d]) for i, d in enumerate(dtypes)]})
+    return struct, tuple(getattr(struct, f"a{i}").offset for i in range(len(dtypes)))
 
 
 def launch_config(grid, block, shared_mem: int, stream: int, attrs) -> LaunchConfig:

@@ -186,6 +186,15 @@ def filtered_log_probs(logits: Tensor, s: SeqSampler) -> Tensor:
     return logp
 
 
+class NonFiniteLogits(FloatingPointError):
+    """The model produced NaN logits (a broken checkpoint or a numerical fault): no token can be chosen."""
+
+
+def _nan_row(row: int) -> NonFiniteLogits:
+    return NonFiniteLogits(f"the model produced NaN logits (batch row {row}): no token can be sampled; check the "
+                           "checkpoint's weights for NaN / inf values")
+
+
 def _argmax_lowest(values: Tensor) -> int:
     """Index of the maximum, ties to the lower index (torch.argmax returns the first maximum)."""
     return int(torch.argmax(values))
@@ -216,6 +225,8 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
         for j, i in enumerate(local):
             vals, ids = allc[:, j, 0], allc[:, j, 1]
             best = vals.max()
+            if torch.isnan(best):                      # argmax picks a NaN; it equals nothing
+                raise _nan_row(i)
             tokens[i] = int(ids[vals == best].min())
     # 2) rows that need the whole distribution: gather the (penalised) logits
     full = [i for i in range(S) if samplers[i].needs_full_distribution]
@@ -227,7 +238,10 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
         for j, i in enumerate(full):
             s = samplers[i]
             score = filtered_log_probs(rows[j], s) + gumbel_noise(s.seed, positions[i], rows.shape[-1], rows.device)
-            tokens[i] = _argmax_lowest(score)
+            k = _argmax_lowest(score)
+            if torch.isnan(score[k]):
+                raise _nan_row(i)
+            tokens[i] = k
     return tokens
 
 

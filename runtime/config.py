@@ -204,9 +204,9 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
     num_layers = r.get("num_hidden_layers", int, minimum=1)
     num_heads = r.get("num_attention_heads", int, minimum=1)
     num_kv = r.get("num_key_value_heads", int, minimum=1)
-    head_dim = r.get("head_dim", int, minimum=2, default=None)
-    if head_dim is None:
-        head_dim = hidden // num_heads
+    # omitted fields take transformers' Qwen3.5 config defaults (head_dim 256, not hidden / heads;
+    # max_position_embeddings 32768), so a config reads the same here as there
+    head_dim = r.get("head_dim", int, minimum=2, default=256)
     if num_heads % num_kv:
         raise ConfigError(f"{r.source}: field '{r.prefix}num_attention_heads' ({num_heads}) must be a multiple "
                           f"of '{r.prefix}num_key_value_heads' ({num_kv})")
@@ -305,7 +305,7 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
         rms_norm_eps=r.get("rms_norm_eps", float, minimum=0.0, default=1e-6),
         tie_word_embeddings=bool(r.get("tie_word_embeddings", bool, default=False)),
         mtp_num_layers=mtp,
-        max_position_embeddings=r.get("max_position_embeddings", int, minimum=1, default=262144),
+        max_position_embeddings=r.get("max_position_embeddings", int, minimum=1, default=32768),
         bos_token_id=r.raw.get("bos_token_id") if isinstance(r.raw.get("bos_token_id"), int) else None,
         eos_token_ids=eos_ids,
         pad_token_id=r.raw.get("pad_token_id") if isinstance(r.raw.get("pad_token_id"), int) else None,
@@ -319,9 +319,15 @@ def _rope(r: "_Reader", head_dim: int) -> tuple[int, float]:
     """Rotary dimension and theta from rope_parameters (or the legacy rope_theta / rope_scaling keys)."""
     key = "rope_parameters"
     params = r.raw.get(key)
+    legacy = r.raw.get("rope_scaling")
     if params is None:
-        key = "rope_scaling"     # legacy name
-        params = r.raw.get(key) or {}
+        key, params = "rope_scaling", legacy or {}      # legacy name
+    elif isinstance(legacy, dict) and legacy.get("rope_type", legacy.get("type", "default")) != "default":
+        # both given: transformers lets the legacy rope_scaling win, so a scaled rope there must not be
+        # silently replaced by rope_parameters' default one
+        kind = legacy.get("rope_type", legacy.get("type"))
+        raise ConfigError(f"{r.source}: field '{r.prefix}rope_scaling.rope_type' is {kind!r}; only 'default' "
+                          "is supported")
     if not isinstance(params, dict):
         raise ConfigError(f"{r.source}: field '{r.prefix}{key}' must be an object, got {params!r}")
 

@@ -161,6 +161,8 @@ class OutputParser:
         self._notes: list[str] = []
         self._out: list[Delta] = []
         self._finished = False
+        self._forced = 0                 # length of a forced call opening still at the start of _buf
+        self.cut_off = False             # a call was cut off by the end of generation
 
     # ---- public verbs ----
 
@@ -174,6 +176,15 @@ class OutputParser:
             self._buf += text
             self._run(final=False)
         return self._take()
+
+    def feed_forced(self, text: str) -> list[Delta]:
+        """Feed a call opening the server put in the prompt (tool_choice required / named): if what the
+        model continues it with is not a call to a declared tool, the opening is dropped, not kept as
+        text (the model never wrote it)."""
+        if self._buf or self._state != "content":
+            raise ValueError("feed_forced() must come first, in content")
+        self._forced = len(text)
+        return self.feed(text)
 
     def finish(self) -> list[Delta]:
         """End of generation: flush held-back text, close an unterminated call. Idempotent."""
@@ -224,6 +235,13 @@ class OutputParser:
                 self._buf = ""
                 return False
             act = self._text_tag(p, final)
+            if act[0] == "literal" and self._forced and p == 0:
+                self._note(f"{act[1] or 'not a call'}: the forced call opening was dropped")
+                buf = self._buf = buf[self._forced:]
+                self._forced = 0
+                continue
+            if act is not WAIT:
+                self._forced = 0
             if act[0] == "literal":
                 if act[1]:
                     self._note(f"{act[1]}; kept as {self._state}")
@@ -374,6 +392,8 @@ class OutputParser:
         call = self._calls[-1]
         if note:
             self._call_note(note)
+            if note.startswith("cut off at end of generation"):
+                self.cut_off = True
         self._emit_args("}")
         self._emit(ToolCallEnd(call.index))
         self._state = "after"
@@ -495,15 +515,19 @@ class OutputParser:
             name = s[len(PARAM):] if gt < 0 else s[len(PARAM):gt]
             if gt < 0:
                 could = _name_ok(name) and self._param_name_ok(name, prefix=True)
-                return WAIT if could and not final else LITERAL
+                if could:                       # at the end: the next parameter's tag, cut off
+                    return WAIT if not final else ("eos", len(buf))
+                return LITERAL
             if not self._param_name_ok(name, prefix=False):
                 return LITERAL
             if gt + 1 == len(s):
                 return WAIT if not final else ("next_param", p)
             return ("next_param", p) if s[gt + 1] == "\n" else LITERAL
         tags = (END_PARAM, END_FUNC, END_CALL, PARAM) if on_new_line else (END_PARAM, END_FUNC, END_CALL)
-        if not final and any(t.startswith(s) for t in tags):
-            return WAIT
+        if any(t.startswith(s) for t in tags):
+            # a terminator's beginning: wait for the rest, or at the end of generation (max_tokens) drop
+            # it with the newline before it, as a complete terminator would be
+            return WAIT if not final else ("eos", len(buf))
         return LITERAL
 
     def _followed_by(self, k: int, tag: str, final: bool, act: tuple) -> tuple:

@@ -36,7 +36,10 @@ def routes(service: Service) -> list[Route]:
 
 def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]                                   # ["text"] or [[ids]]
+        inner = value[0]                                   # ["text"] or [[ids]]
+        if isinstance(inner, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in inner):
+            raise P.bad("invalid type for 'prompt[0]': expected a list of token ids (integers)", "prompt[0]")
+        value = inner
     if isinstance(value, str):
         return value
     if isinstance(value, list):

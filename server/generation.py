@@ -148,7 +148,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     engine_done = False
     try:
         if parser is not None and prepared.forced_prefix:
-            for d in stats.convert(parser.feed(prepared.forced_prefix)):
+            for d in stats.convert(parser.feed_forced(prepared.forced_prefix)):
                 yield d
         reason, matched, engine_timings, engine_usage, engine_spec = None, None, {}, {}, None
         while reason is None:
@@ -195,7 +195,8 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
                 yield d
             result = parser.result()
             notes = result.notes
-            if result.tool_calls:
+            # a call cut off by max_tokens / the context keeps "length": its arguments are incomplete
+            if result.tool_calls and not (reason == "length" and parser.cut_off):
                 reason = "tool_calls"
         finish = stats.finish(reason, matched, notes, engine_timings, engine_usage, engine_spec)
         yield finish

@@ -19,6 +19,7 @@ record keeps only its own turn and a reference to its parent record, so chains c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -41,6 +42,19 @@ from server.sse import event, sse_response
 log = logging.getLogger(__name__)
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+@contextlib.contextmanager
+def _input_errors():
+    """Errors the shared prompt code raises about 'messages' are about this API's 'input'."""
+    try:
+        yield
+    except APIError as e:
+        if e.param and e.param.split("[")[0].split(".")[0] == "messages":
+            e.param = "input"
+            e.message = e.message.replace("'messages'", "'input'").replace("the messages", "the input")
+            e.args = (e.message,)
+        raise
+
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, "invalid_request", f"'{param}': {message}", param=param)
@@ -312,6 +326,13 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     max_output = _get(body, "max_output_tokens", (int,))
     if max_output is not None and max_output < 1:
         raise _bad("max_output_tokens", f"must be >= 1, got {max_output}")
+    text = _get(body, "text", (dict,))
+    if text is not None and text.get("format") is not None:      # accepted, not enforced (as Chat's response_format)
+        fmt = text["format"]
+        if not isinstance(fmt, dict):
+            raise _bad("text.format", f"must be an object, got {type(fmt).__name__}")
+        if fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise _bad("text.format.type", f"must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}")
     reasoning = _get(body, "reasoning", (dict,)) or {}
     effort = _get(reasoning, "effort", (str,), "reasoning.")
     if effort is not None and effort not in EFFORTS:
@@ -334,6 +355,10 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     known = {c["id"] for m in history for c in m.get("tool_calls") or ()}
     turn = _input_messages(body.get("input"), known, seal)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + turn
+    if not any(m.get("role") == "user" for m in history + turn):
+        # an empty-input probe (Codex sends input [] with max_output_tokens 1): answered, with an empty
+        # user turn, since the chat template needs one
+        messages.append({"role": "user", "content": ""})
     sampling = Sampling(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0))
     stream = bool(_get(body, "stream", (bool,))) and not count_only
     chat = ChatRequest(messages=messages, tools=tools.functions or None, tool_choice=tool_choice,
@@ -367,11 +392,14 @@ class ResponsesAPI:
     async def input_tokens(self, request: Request) -> Response:
         req = await self._parse(request, count_only=True)
         self.service.resolve_model(req.chat.model)
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": self.service.count_tokens(req.chat)})
+        with _input_errors():
+            n = self.service.count_tokens(req.chat)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
     async def create(self, request: Request) -> Response:
         req = await self._parse(request, count_only=False)
-        prepared = self.service.prepare(req.chat)
+        with _input_errors():
+            prepared = self.service.prepare(req.chat)
         self.service.submit(prepared)            # queue full / engine down: an HTTP error, before the 200
         builder = ResponseBuilder(item_id("resp_"), req.echo, req.tools, self.seal, summary=req.summary,
                                   encrypted=req.encrypted)

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 
@@ -70,7 +71,14 @@ def serve(args, argv: list[str]) -> int:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                      f"{spec.max_position_embeddings}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    from ranks.weights import CheckpointError
+    from ranks.weights import Checkpoint, CheckpointError, validate
+    if not args.random_weights:
+        # every header, name, shape and dtype now (headers only, no tensor data): a checkpoint that cannot
+        # load exits 2 before anything listens, not 1 from a rank after the port is bound
+        try:
+            validate(Checkpoint(model_dir), spec)
+        except (CheckpointError, OSError) as e:
+            return _fail(f"cannot load {model_dir}: {e}")
     from server.cli import spec_draft_tokens
     try:
         spec_k = spec_draft_tokens(args, model_dir)
@@ -176,12 +184,30 @@ def _check_zmq_endpoint(endpoint: str) -> str | None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that puts the service into draining (health 503, new requests refused) on a signal."""
+    """uvicorn.Server that puts the service into draining (health 503, new requests refused) on a signal,
+    and, a second before uvicorn's graceful-shutdown deadline would cut the connections still open,
+    stops the engine: the requests still running then end with their in-band 503 "shutting down"
+    error (a streamed error event, or a JSON 503) instead of a dropped connection."""
+
+    CUT_MARGIN_S = 1.0
 
     def __init__(self, config, service):
         super().__init__(config)
         self.service = service
+        self._cut: threading.Timer | None = None
 
     def handle_exit(self, sig, frame) -> None:
         self.service.begin_drain()
+        if self._cut is None and self.config.timeout_graceful_shutdown is not None:
+            t = self.config.timeout_graceful_shutdown
+            self._cut = threading.Timer(max(0.5 * t, t - self.CUT_MARGIN_S), self._cancel_in_flight)
+            self._cut.daemon = True
+            self._cut.start()
         super().handle_exit(sig, frame)
+
+    def _cancel_in_flight(self) -> None:
+        log.info("shutdown timeout: cancelling the requests still running")
+        try:
+            self.service.shutdown()
+        except Exception:                               # the lifespan's shutdown reports engine errors
+            log.exception("stopping the engine at the shutdown timeout failed")

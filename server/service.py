@@ -255,6 +255,7 @@ class Service:
         self.failure: str | None = None
         self.in_flight = 0
         self._lock = threading.Lock()
+        self._engine_stopped: threading.Event | None = None   # set once a shutdown's engine.shutdown returned
         if engine is not None:
             self.attach_engine(engine)
 
@@ -287,13 +288,22 @@ class Service:
                 self.state = "draining"
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine (in-flight requests end as cancelled); blocking."""
+        """Stop the engine (in-flight requests end as cancelled); blocking. A call while another thread's
+        shutdown is under way waits for it (so the process does not exit under a rank shutdown)."""
         with self._lock:
             engine, self.engine = self.engine, None
             if self.state != "failed":
                 self.state = "stopped"
+            if engine is not None:
+                self._engine_stopped = threading.Event()
+            stopped = self._engine_stopped
         if engine is not None:
-            engine.shutdown(timeout)
+            try:
+                engine.shutdown(timeout)
+            finally:
+                stopped.set()
+        elif stopped is not None:
+            stopped.wait(timeout + 5.0)
 
     def health(self) -> tuple[bool, str]:
         if self.state == "ready":
@@ -407,6 +417,9 @@ class Service:
         if start != "content" or not request.tools or self.template is None or not self.template.xml_tool_calls:
             return ""
         if choice == "required":
+            names = [(t.get("function") or {}).get("name") or t.get("name") for t in request.tools]
+            if len(names) == 1 and isinstance(names[0], str) and names[0]:
+                return f"<tool_call>\n<function={names[0]}>\n"      # one tool: the call is its call
             return "<tool_call>\n<function="
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name") or choice.get("name")

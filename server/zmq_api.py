@@ -37,6 +37,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from server import params
 from server.service import (APIError, ChatRequest, ContentDelta, Finish, ReasoningDelta, RequestContext, Sampling,
                             TextRequest, ToolCallArgs, ToolCallEnd, ToolCallStart, current_request)
 
@@ -106,10 +107,12 @@ def parse_chat(msg: dict) -> ChatRequest:
     budget = _field(msg, "thinking_budget", (int,))
     if budget is not None and budget < 0:
         raise _bad("thinking_budget", f"thinking_budget must be >= 0, got {budget}")
+    tools = params.tools(msg.get("tools"))                    # the HTTP routes' checks (400 naming the field)
+    tool_choice = params.tool_choice(msg.get("tool_choice"), tools)
     return ChatRequest(
         messages=messages,
-        tools=_field(msg, "tools", (list,)) or None,
-        tool_choice=_field(msg, "tool_choice", (str, dict)),
+        tools=tools,
+        tool_choice=tool_choice,
         parallel_tool_calls=_field(msg, "parallel_tool_calls", (bool,), True),
         thinking=_field(msg, "thinking", (bool,)),
         preserve_thinking=_field(msg, "preserve_thinking", (bool,)),

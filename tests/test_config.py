@@ -133,8 +133,9 @@ def test_optional_fields_take_family_defaults():
             "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
             "linear_value_head_dim", "intermediate_size"}
     spec = spec_from_hf({k: v for k, v in DENSE_TEXT.items() if k in keep})
-    assert spec.head_dim == 64 // 4                      # hidden / heads when head_dim is absent
-    assert spec.rotary_dim == 4 and spec.rope_theta == 10000.0   # partial_rotary_factor 0.25 by default
+    # transformers' Qwen3_5TextConfig defaults: head_dim 256 (not hidden / heads), 32768 positions
+    assert spec.head_dim == 256 and spec.max_position_embeddings == 32768
+    assert spec.rotary_dim == 64 and spec.rope_theta == 10000.0  # partial_rotary_factor 0.25 by default
     assert spec.layer_types == (L, L, L, F)              # full_attention_interval 4 by default
     assert (spec.conv_kernel, spec.rms_norm_eps, spec.mtp_num_layers) == (4, 1e-6, 0)
     assert spec.tie_word_embeddings is False and spec.eos_token_ids == () and spec.dtype == "bfloat16"
@@ -353,6 +354,8 @@ REFUSED = {
     "legacy_rope_scaling_yarn": (text(rope_parameters=_DROP, rope_scaling={"type": "yarn", "factor": 4.0}),
                                  "rope_scaling.type", "'yarn'"),
     "rope_parameters_not_an_object": (text(rope_parameters="default"), "rope_parameters", "'default'"),
+    "yarn_rope_scaling_beside_default_rope_parameters": (text(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+                                                         "rope_scaling.rope_type", "'yarn'"),
     "partial_rotary_factor_zero": (text(rope_parameters={**ROPE, "partial_rotary_factor": 0}),
                                    "rope_parameters.partial_rotary_factor", "0"),
     "partial_rotary_factor_above_one": (text(rope_parameters=_DROP, partial_rotary_factor=1.5),
@@ -450,3 +453,22 @@ def test_config_error_is_a_value_error():
     with pytest.raises(ConfigError):
         spec_from_hf([])   # type: ignore[arg-type]
     assert isinstance(spec_from_hf(text()), ModelSpec)
+
+
+def test_omitted_fields_read_as_transformers_reads_them():
+    """A config without head_dim, max_position_embeddings, rope or layer-pattern fields: the spec takes
+    the values transformers' own config class gives the same dict (an independent reading)."""
+    cfg_mod = pytest.importorskip("transformers.models.qwen3_5.configuration_qwen3_5")
+    keep = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "intermediate_size"}
+    raw = {k: v for k, v in DENSE_TEXT.items() if k in keep}
+    spec = spec_from_hf(raw)
+    hf = cfg_mod.Qwen3_5TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    rope = hf.rope_parameters
+    assert spec.head_dim == hf.head_dim and spec.max_position_embeddings == hf.max_position_embeddings
+    assert spec.rope_theta == rope["rope_theta"]
+    assert spec.rotary_dim == int(hf.head_dim * rope["partial_rotary_factor"])
+    assert list(spec.layer_types) == list(hf.layer_types)
+    assert (spec.conv_kernel, spec.rms_norm_eps) == (hf.linear_conv_kernel_dim, hf.rms_norm_eps)
+

@@ -54,7 +54,7 @@ def test_kernel_params_point_at_each_value():
     types = (ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int64, ctypes.c_uint8)
     for i, (a, t) in enumerate(zip(args, types)):
         assert ctypes.cast(params[i], ctypes.POINTER(t)).contents.value == a.item()
-    assert len(vals) == len(args)
+    assert len(vals._fields_) == len(args)
 
 
 def test_kernel_params_take_launch_arguments():

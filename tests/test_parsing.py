@@ -393,3 +393,36 @@ def test_any_markup_soup_parses_the_same_in_every_split(seed):
         text = "".join(rng.choice(SOUP) for _ in range(rng.randint(0, 40)))
         start, parallel, tools = rng.choice(["reasoning", "content"]), rng.random() < 0.7, rng.choice([GEN_TOOLS, None])
         check(text, start, tools, seed=rng.randrange(2**31), parallel=parallel)
+
+
+@pytest.mark.parametrize("tail", ["\n</", "\n</param", "\n<", "\n</function", "\n<parameter=da"])
+def test_a_value_cut_off_inside_a_tag_drops_the_tag(tail):
+    """The end of generation inside a terminator (or the next parameter's tag) keeps the value without
+    the tag's beginning or the newline before it, and marks the call as cut off."""
+    p = OutputParser("content", TOOLS)
+    out = p.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis" + tail) + p.finish()
+    r = p.result()
+    assert [json.loads(c.arguments) for c in r.tool_calls] == [{"city": "Paris"}]
+    assert "".join(d.fragment for d in out if isinstance(d, ToolCallArgs)) == '{"city": "Paris"}'
+    assert p.cut_off and r.content is None
+    done = OutputParser("content", TOOLS)
+    done.feed(call("get_weather", [("city", "Paris")]))
+    done.finish()
+    assert not done.cut_off
+
+
+def test_a_forced_opening_with_an_unknown_name_is_dropped():
+    p = OutputParser("content", TOOLS)
+    out = p.feed_forced("<tool_call>\n<function=") + p.feed("20, 36 is not a name>\nrest") + p.finish()
+    r = p.result()
+    assert r.tool_calls == [] and "<tool_call>" not in (r.content or "") and "<function=" not in (r.content or "")
+    assert "".join(d.text for d in out if isinstance(d, ContentDelta)) == (r.content or "")
+    assert any("forced call opening was dropped" in n for n in r.notes)
+    q = OutputParser("content", TOOLS)
+    q.feed_forced("<tool_call>\n<function=")
+    q.feed("ping>\n</function>\n</tool_call>")
+    q.finish()
+    assert [c.name for c in q.result().tool_calls] == ["ping"]
+    with pytest.raises(ValueError, match="first"):
+        q.feed_forced("<tool_call>")
+

@@ -451,3 +451,18 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("sampler", [SeqSampler(temperature=0.0), SeqSampler(temperature=0.8, seed=3),
+                                     SeqSampler(temperature=0.8, top_p=0.9, seed=3)], ids=["greedy", "sampled", "top_p"])
+def test_nan_logits_raise_a_clear_error(sampler, seed):
+    """A NaN in a row's logits (a broken checkpoint) is named, not a torch-internal reduction error or a
+    silently chosen token; the other rows are not the problem."""
+    from ranks.sampler import NonFiniteLogits
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 50, generator=g)
+    logits[1, 7] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="batch row 1"):
+        sample_rows(logits, [sampler] * 3, [5, 5, 5], rank=0, tp=1, gather=lambda t: t[None])
+    ok = sample_rows(logits[[0, 2]], [sampler] * 2, [5, 5], rank=0, tp=1, gather=lambda t: t[None])
+    assert all(0 <= t < 50 for t in ok)

@@ -143,6 +143,8 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": 5}, "prompt"),
     ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "tiny", "prompt": [1, "x"]}, "prompt[1]"),
+    ({"model": "tiny", "prompt": [["a"]]}, "prompt[0]"),
+    ({"model": "tiny", "prompt": [[1, True]]}, "prompt[0]"),
     ({"model": "tiny", "prompt": [1, 2**40]}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
@@ -501,6 +503,40 @@ def test_serve_finishes_in_flight_work_on_sigterm_exits_0_and_leaves_no_rank_beh
     assert tp and {"interval_s", "pages_total", "generated_tokens_delta"} <= set(tp[-1])
 
 
+def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_not_a_cut(tmp_path):
+    """SIGTERM with --shutdown-timeout-s 3 and requests that would run far longer: before uvicorn's deadline
+    the engine stops, the stream ends with an in-band error event ("shutting down"), the non-streamed
+    request gets a JSON 503; exit 0, no rank left."""
+    p = ServeProcess(tiny_model_dir(), "--max-context", "4096", "--shutdown-timeout-s", "3")
+    try:
+        p.wait_healthy()
+        ranks = _rank_pids(p.proc.pid)
+        long = {**CHAT, "max_tokens": 4000, "ignore_eos": True}
+        result = {}
+
+        def plain():
+            result["r"] = httpx.post(p.url + "/v1/chat/completions", json=long, timeout=60)
+        t = threading.Thread(target=plain)
+        with httpx.stream("POST", p.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            t.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            p.proc.send_signal(signal.SIGTERM)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        t.join(30)
+        assert time.monotonic() - t0 < 10
+        err = json.loads(rest[-1][6:])["error"]             # api.md: an in-band error, then close
+        assert "shutting down" in err["message"], err
+        plain_r = result["r"]
+        assert plain_r.status_code == 503 and "shutting down" in plain_r.json()["error"]["message"], plain_r.text
+        assert p.proc.wait(30) == 0, "".join(p.lines)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        p.close()
+
+
 def test_serve_exits_nonzero_promptly_when_a_rank_dies():
     p = ServeProcess(tiny_model_dir(), "--max-context", "2048")
     try:
@@ -521,3 +557,34 @@ def test_serve_refuses_a_bad_model_dir_with_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(tmp_path), "--port", "0"], cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "cannot load" in r.stderr
+
+
+@pytest.mark.parametrize("damage", ["missing_tensor", "truncated_shard"])
+def test_serve_refuses_an_unloadable_checkpoint_with_exit_2_before_listening(tmp_path, damage):
+    """A checkpoint that cannot load (a tensor missing, a shard cut short) exits 2 naming the problem
+    before the port is bound, so systemd's RestartPreventExitStatus=2 stops a restart loop."""
+    import json as _json
+    import shutil
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), d)
+    shard = next(d.glob("*.safetensors"))
+    if damage == "truncated_shard":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) - 64])
+        want = "truncated"
+    else:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(str(shard))
+        victim = sorted(k for k in tensors if "layers.0." in k)[0]
+        del tensors[victim]
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        index = d / "model.safetensors.index.json"
+        if index.exists():
+            idx = _json.loads(index.read_text())
+            idx["weight_map"].pop(victim, None)
+            index.write_text(_json.dumps(idx))
+        want = victim.split("layers.0.", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(d), "--port", "0"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "cannot load" in r.stderr and want in r.stderr and "listening" not in r.stderr, r.stderr

@@ -476,3 +476,38 @@ def test_the_sdk_stream_helper_accumulates_reasoning_content_and_calls(fake):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == \
         [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
     assert "FunctionToolCallArgumentsDoneEvent" in kinds and "ContentDoneEvent" in kinds
+
+
+def test_a_call_cut_off_by_max_tokens_finishes_with_length(fake):
+    """max_tokens ends generation inside a parameter's closing tag: finish_reason length (not tool_calls,
+    the arguments may be incomplete), and the tag's beginning is not part of the value."""
+    text = "</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</"
+    n = len(fake.tok.encode(text))
+    fake.engine.script(text, text)
+    ns, s, r, _ = both(fake.client, messages=USER, tools=[WEATHER], max_tokens=n)
+    same(ns, s)
+    assert r.choices[0].finish_reason == "length" and s["finish"] == ["length"]
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_tool_choice_required_with_an_undeclared_name_leaves_no_markup(fake):
+    """The forced opening (<tool_call>\\n<function=) continued with no declared tool's name is dropped,
+    not returned as text the model never wrote."""
+    fake.engine.script("20, 36")
+    r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                                            reasoning_effort="none")
+    assert fake.engine.prompt_text().endswith("<tool_call>\n<function=")
+    m = r.choices[0].message
+    assert m.tool_calls is None and "<tool_call>" not in (m.content or "") and "<function=" not in (m.content or "")
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_required_with_one_tool_forces_its_name(fake):
+    fake.engine.script("<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")
+    r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required",
+                                            reasoning_effort="none")
+    assert fake.engine.prompt_text().endswith("<tool_call>\n<function=get_weather>\n")
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert r.choices[0].finish_reason == "tool_calls"
+

@@ -393,7 +393,9 @@ def test_input_tokens_counts_what_prepare_would_build(svc, url, client):
      "tools[0].parameters.type", None),
     (lambda b: {**b, "tool_choice": {"type": "function", "name": "missing"}}, 400, "tool_choice.name", None),
     (lambda b: {**b, "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
-    (lambda b: {**b, "input": TOO_LONG}, 400, "messages", "context_length_exceeded"),
+    (lambda b: {**b, "input": TOO_LONG}, 400, "input", "context_length_exceeded"),
+    (lambda b: {**b, "text": {"format": {"type": "xml"}}}, 400, "text.format.type", None),
+    (lambda b: {**b, "text": {"format": "json"}}, 400, "text.format", None),
 ])
 def test_bad_requests_get_openai_error_shapes(svc, url, change, status, param, code):
     for body in (change(dict(BASE)), {**change(dict(BASE)), "stream": True}):
@@ -498,3 +500,19 @@ def test_real_tiny_engine_streamed_equals_non_streamed(tiny_url, reasoning):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(**{**body, "model": "gpt-unknown"})
     assert e.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "input": [], "instructions": "You are Codex", "max_output_tokens": 1},
+    {"model": MODEL, "max_output_tokens": 1},
+])
+def test_empty_input_probes_are_answered(svc, url, body):
+    """Codex's empty-input probes (api.md section 5) get a response, the prompt an empty user turn."""
+    svc.script = script(content="o")
+    r = post(url, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] in ("completed", "incomplete")
+    msgs = svc.requests[-1].messages
+    assert msgs[-1] == {"role": "user", "content": ""}
+    assert msgs[0] == ({"role": "system", "content": "You are Codex"} if "instructions" in body else msgs[-1])
+

@@ -264,6 +264,15 @@ def test_client_disconnect_closes_the_generator(server, service):
     (pack(type="tokens", id=1, prompt=[1, -2]), 400, "invalid_request", "prompt"),
     (pack(type="count_tokens", id=1, messages="hi"), 400, "invalid_request", "messages"),
     (pack(type="chat", id=1, messages=user("x"), client="has space"), 400, "invalid_request", "client"),
+    (pack(type="chat", id=1, messages=user("x"), tools=[5]), 400, "invalid_request", "tools[0]"),
+    (pack(type="chat", id=1, messages=user("x"), tools=[{"type": "function", "function": {}}]), 400,
+     "invalid_request", "tools[0].function.name"),
+    (pack(type="count_tokens", id=1, messages=user("x"), tools=[5]), 400, "invalid_request", "tools[0]"),
+    (pack(type="chat", id=1, messages=user("x"), tool_choice="sometimes"), 400, "invalid_request", "tool_choice"),
+    (pack(type="chat", id=1, messages=user("x"), tool_choice="required"), 400, "invalid_request", "tool_choice"),
+    (pack(type="chat", id=1, messages=user("x"), tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "nonexistent"}}), 400, "invalid_request",
+     "tool_choice.function.name"),
 ])
 def test_bad_request_gets_an_error_and_the_server_keeps_serving(server, client, body, status, kind, param):
     reply = raw_exchange(server.endpoint, body)
