@@ -50,7 +50,7 @@ def serve(args, argv: list[str]) -> int:
     from server.cli import backend_conflict
     model_dir = args.model_dir or default_model_dir()
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
-    problem = backend_conflict(args)
+    problem = backend_conflict(args) or _device_problem(args.device)
     if problem:
         return _fail(problem)
     try:
@@ -162,6 +162,26 @@ def serve(args, argv: list[str]) -> int:
     if outcome["code"]:
         print(f"tandem serve: stopped: {outcome['reason']}", file=sys.stderr, flush=True)
     return outcome["code"]
+
+
+def _device_problem(device: str) -> str | None:
+    """Why --device cannot work on this machine (None if it can), found before anything listens. No CUDA
+    context is made here (the ranks make their own): only the build and the device count are read."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+    if not torch.backends.cuda.is_built():
+        return f"--device {device}: not usable here: this torch build has no CUDA support"
+    n = torch.cuda.device_count()
+    if n == 0:
+        return f"--device {device}: not usable here: no CUDA device is visible"
+    if ":" in device:
+        index = device.split(":", 1)[1]
+        if not index.isdigit():
+            return f"--device {device}: expected cuda or cuda:N"
+        if int(index) >= n:
+            return f"--device {device}: not usable here: {n} CUDA device(s) visible"
+    return None
 
 
 def _check_zmq_endpoint(endpoint: str) -> str | None:

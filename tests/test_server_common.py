@@ -588,3 +588,12 @@ def test_serve_refuses_an_unloadable_checkpoint_with_exit_2_before_listening(tmp
                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "cannot load" in r.stderr and want in r.stderr and "listening" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without a usable GPU")
+def test_serve_device_cuda_without_a_gpu_exits_2_before_listening():
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--device", "cuda", "--port", "0"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--device cuda: not usable here" in r.stderr and "listening" not in r.stderr, r.stderr
+

@@ -122,7 +122,7 @@ def run_table(args, cl, bw) -> list[dict]:
 
 
 def run_variants(args, cl, bw) -> list[dict]:
-    """Every quantised kind under each GEMV variant, bf16 GEMV and cuBLAS as the reference."""
+    """Every kind under each GEMV variant (bf16's pipelined one is gemv_bf16_pipe), cuBLAS beside bf16."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
 
@@ -141,7 +141,7 @@ def run_variants(args, cl, bw) -> list[dict]:
                 out = torch.empty(T, O, dtype=torch.bfloat16, device="cuda")
                 for kind in args.kinds:
                     wk = weights[kind]
-                    variants = ("tc", "pipelined") if kind in QUANT_KINDS else ("tc",)
+                    variants = ("tc", "pipelined")          # bf16 pipelined: gemv_bf16_pipe (T <= 8)
                     for variant in variants:
                         os.environ[cl.VARIANT_ENV] = variant           # read by route() at graph capture
                         graph_time(lambda: cl._gemv(x, wk, out, None, swiglu=False), reps=3)   # clocks up
@@ -179,19 +179,15 @@ def run_variants(args, cl, bw) -> list[dict]:
     for name, O, I in SHAPES[args.model]:
         for T in args.columns:
             for kind in args.kinds:
-                if kind == "bf16":
-                    d, p = get(name, T, kind, "tc"), get(name, T, kind, "cublas")
-                    print(f"{name:12s} {T:2d} {'bf16':>9s} | {cell(d)} {'GEMV ' + d['kernel'][5:]:>18s} | "
-                          f"{cell(p)} {'cuBLAS':>18s} |")
-                    continue
                 d, p = get(name, T, kind, "tc"), get(name, T, kind, "pipelined")
+                extra = f" | cuBLAS {cell(get(name, T, kind, 'cublas'))}" if kind == "bf16" else ""
                 print(f"{name:12s} {T:2d} {kind:>9s} | {cell(d)} {d['kernel'][5:] + ' ks' + str(d['ks']):>18s} | "
-                      f"{cell(p)} {p['kernel'][5:] + ' ks' + str(p['ks']):>18s} | {d['s'] / p['s']:7.2f}x")
+                      f"{cell(p)} {p['kernel'][5:] + ' ks' + str(p['ks']):>18s} | {d['s'] / p['s']:7.2f}x{extra}")
     print("All layers above, each shape once (sum of bytes / sum of times), GB/s and % of the read bandwidth:")
-    for kind in [k for k in args.kinds if k in QUANT_KINDS]:
+    for kind in [k for k in args.kinds if k in QUANT_KINDS or k == "bf16"]:
         for T in args.columns:
             cells = []
-            for variant in cl.VARIANTS:
+            for variant in ("tc", "pipelined"):          # the variants timed above ("auto" picks one of them)
                 sel = [r for r in rows if r["kind"] == kind and r["T"] == T and r["impl"] == variant]
                 nb, ts = sum(r["bytes"] for r in sel), sum(r["s"] for r in sel)
                 cells.append(f"{variant} {nb / ts / 1e9:6.0f} GB/s {nb / ts / bw:5.0%}")
@@ -203,7 +199,7 @@ def run_variants(args, cl, bw) -> list[dict]:
         for name, O, I in SHAPES[args.model]:
             for T in args.columns:
                 for kind in [k for k in args.kinds if k in QUANT_KINDS]:
-                    for variant in cl.VARIANTS:
+                    for variant in ("tc", "pipelined"):          # the variants timed above ("auto" picks one of them)
                         cells = [get(name, T, kind, variant)]
                         cells += [get(name, T, kind, f"{variant}_ks{k}") for k in args.ks]
                         print(f"{name:12s} {T:2d} {kind:>9s} {variant:>9s} "
