@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 from pathlib import Path
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
+log = logging.getLogger("tandem.kernels")
 _lock = threading.Lock()
 
 # Options shared by NVRTC here and nvcc in the compile test (tests/test_cuda_compile.py). CuPy
@@ -126,9 +128,14 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
         grid3, block3 = (grid + (1, 1))[:3], (block + (1, 1))[:3]
         with cupy.cuda.Device(device):
             func = fn.kernel if hasattr(fn, "kernel") else fn          # RawKernel -> its Function on `device`
-            _launch_ex(func.ptr, grid3, block3, shared_mem, torch.cuda.current_stream(device).cuda_stream,
-                       [_arg(a) for a in args])
-        return
+            try:
+                _launch_ex(func.ptr, grid3, block3, shared_mem, torch.cuda.current_stream(device).cuda_stream,
+                           [_arg(a) for a in args])
+                return
+            except KernelError as e:                   # a driver that refuses the attribute: ordinary launches
+                _PDL_REFUSED.add(device)
+                log.warning("device %d: programmatic dependent launch refused (%s); launching kernels the "
+                            "ordinary way from now on", device, e)
     stream = _stream(torch.cuda.current_stream(device).cuda_stream, device)
     with cupy.cuda.Device(device), stream:
         fn(grid, block, tuple(_arg(a) for a in args), shared_mem=shared_mem)
@@ -231,12 +238,16 @@ def _pdl_capable(device: int) -> bool:
     return True
 
 
+_PDL_REFUSED: set[int] = set()                 # devices whose driver refused a programmatic launch
+
+
 def pdl_enabled(device: int | None = None) -> bool:
     """True when launch(..., pdl=True) is a programmatic dependent launch on `device` (sm_90+, the
-    driver has cuLaunchKernelEx, TANDEM_PDL not 0). Read once per process and device."""
+    driver has cuLaunchKernelEx, TANDEM_PDL not 0, and it has not refused one). Read once per process
+    and device."""
     if device is None:
         device = torch.cuda.current_device()
-    return _pdl_capable(device)
+    return device not in _PDL_REFUSED and _pdl_capable(device)
 
 
 def warm_up(device: int | None = None) -> None:

@@ -355,9 +355,9 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     known = {c["id"] for m in history for c in m.get("tool_calls") or ()}
     turn = _input_messages(body.get("input"), known, seal)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + turn
-    if not any(m.get("role") == "user" for m in history + turn):
+    if not turn and not any(m.get("role") == "user" for m in history):
         # an empty-input probe (Codex sends input [] with max_output_tokens 1): answered, with an empty
-        # user turn, since the chat template needs one
+        # user turn, since the chat template needs one (input with items but no user turn stays refused)
         messages.append({"role": "user", "content": ""})
     sampling = Sampling(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0))
     stream = bool(_get(body, "stream", (bool,))) and not count_only

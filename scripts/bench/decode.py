@@ -299,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = [("default", {})]
     for v in args.variant:
         name, _, settings = v.partition(":")
-        env = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
-        if not name or not env:
+        pairs = [kv for kv in settings.split(",") if kv]
+        if not name or not pairs or any("=" not in kv or not kv.split("=", 1)[0] for kv in pairs):
             ap.error(f"--variant {v!r}: expected NAME:ENV=VALUE[,ENV=VALUE]")
-        variants.append((name, env))
+        if name in (n for n, _ in variants):
+            ap.error(f"--variant {v!r}: the name {name!r} is taken (default is the run without settings)")
+        variants.append((name, dict(kv.split("=", 1) for kv in pairs)))
 
     from kernels import cuda_linear
     from ranks.model_cuda import CudaHybridModel, _fuse_gate_up, quantise_weights
@@ -342,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
             with environment(env):
                 if model.graphs is not None:                # graphs captured under these settings
                     from ranks.graphs import GraphRunner
+                    model.graphs = None                     # the previous variant's graphs freed first
+                    gc.collect()
+                    torch.cuda.empty_cache()
                     model.graphs = GraphRunner(model)
                 for C in args.concurrency:
                     t = time_decode(model, state, C, args.context, args.steps)
