@@ -103,8 +103,7 @@ def normalize_messages(messages: Any, param: str = "messages") -> list[dict[str,
                        f"{p}.role")
         text = content_text(m.get("content"), f"{p}.content")
         if role == "system":
-            if text.strip():
-                system.append(text)
+            system.append(text)
             continue
         msg: dict[str, Any] = {"role": role, "content": text}
         if role == "assistant":
@@ -127,7 +126,11 @@ def normalize_messages(messages: Any, param: str = "messages") -> list[dict[str,
     if not any(m["role"] == "user" for m in out):
         raise _bad(f"'{param}' must contain at least one user message", param)
     if system:
-        out.insert(0, {"role": "system", "content": "\n\n".join(system)})
+        # blank ones drop out of a merge; a lone system message stays as given, even empty (as
+        # transformers renders it)
+        texts = [t for t in system if t.strip()]
+        merged = "\n\n".join(texts) if texts else (system[0] if len(system) == 1 else "")
+        out.insert(0, {"role": "system", "content": merged})
     return out
 
 

@@ -511,3 +511,17 @@ def test_tool_choice_required_with_one_tool_forces_its_name(fake):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
     assert r.choices[0].finish_reason == "tool_calls"
 
+
+@pytest.mark.parametrize("system", ["", "  "])
+def test_an_empty_system_message_renders_as_transformers_renders_it(fake, system):
+    """transformers' apply_chat_template on the same template and messages is the reference: an empty
+    (or blank) system message still opens the prompt with a system turn."""
+    from transformers import PreTrainedTokenizerFast
+    import os
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    fake.client.chat.completions.create(model="tiny", messages=messages, reasoning_effort="none")
+    hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tiny_model_dir(), "tokenizer.json"),
+                                 chat_template=qwen_template())
+    want = hf.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=False)
+    assert fake.engine.prompt_text() == want
+
