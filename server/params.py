@@ -44,7 +44,7 @@ async def read_json(request) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise bad(f"the request body is not valid UTF-8 (byte {e.start})", None) from None
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         raise bad("the request body is nested too deeply", None) from None
     except ValueError as e:
@@ -72,6 +72,15 @@ def _valid_unicode(value: Any) -> bool:
         elif isinstance(v, list):
             stack.extend(v)
     return True
+
+
+def _finite_float(token: str) -> float:
+    """A JSON number that overflows a double (1e999) is refused like NaN / Infinity: echoed back it would
+    make the response itself invalid JSON."""
+    v = float(token)
+    if not math.isfinite(v):
+        raise ValueError(f"number {token[:40]} is out of range")
+    return v
 
 
 def _no_constant(name: str) -> Any:

@@ -97,8 +97,8 @@ def normalize_messages(messages: Any, param: str = "messages") -> list[dict[str,
         if not isinstance(m, dict):
             raise _bad(f"'{p}' must be an object, got {type(m).__name__}", p)
         role = m.get("role")
-        role = ROLE_ALIASES.get(role, role)
-        if role not in ROLES:
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"'{p}.role' must be one of system, developer, user, assistant, tool; got {role!r}",
                        f"{p}.role")
         text = content_text(m.get("content"), f"{p}.content")

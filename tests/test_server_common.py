@@ -95,6 +95,8 @@ BAD_CHAT = [
     ({"messages": USER}, "model"),
     ({"model": 5, "messages": USER}, "model"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": [{"role": {}, "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
     ({**CHAT, "messages": ["hi"]}, "messages[0]"),
     ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -165,9 +167,11 @@ def test_bad_completion_fields_are_400_naming_the_field(srv, body, param):
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b'{"model": "\xff\xfe"}', b"[1, 2]", b"", b'{"model": NaN}',
+                                 b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "user": 1e999}',
                                  b"[" * 100_000 + b"]" * 100_000, b'"just a string"',
                                  b'{"model": "tiny", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}'],
-                         ids=["malformed", "invalid-utf8", "array", "empty", "nan", "deep", "string", "lone-surrogate"])
+                         ids=["malformed", "invalid-utf8", "array", "empty", "nan", "overflowing-number", "deep", "string",
+                              "lone-surrogate"])
 def test_undecodable_bodies_are_400_and_the_server_keeps_serving(srv, raw):
     for path in ("/v1/chat/completions", "/v1/completions"):
         err = assert_openai_error(post(srv, path, raw), 400)

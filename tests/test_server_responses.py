@@ -516,3 +516,13 @@ def test_empty_input_probes_are_answered(svc, url, body):
     assert msgs[-1] == {"role": "user", "content": ""}
     assert msgs[0] == ({"role": "system", "content": "You are Codex"} if "instructions" in body else msgs[-1])
 
+
+
+def test_an_overflowing_number_is_refused_before_it_is_echoed(svc, url):
+    """1e999 parses to inf; the Responses API echoes fields such as metadata, so it would have made the
+    response invalid JSON (a 500, or Infinity in the stream): the body is refused as 400 instead."""
+    for body in (b'{"model": "%s", "input": "hi", "metadata": {"a": 1e999}}' % MODEL.encode(),
+                 b'{"model": "%s", "input": "hi", "user": -1e999, "stream": true}' % MODEL.encode()):
+        r = httpx.post(url + "/v1/responses", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
+    assert svc.started == []
