@@ -406,6 +406,33 @@ def prefill_warps(D: int, quant: bool, ctas8: int, sms: int, smem_limit: int, wa
     return 4
 
 
+def _check_batched(q, k_pool, v_pool, k_scale, v_scale, page_tables, positions, cu_seqlens, scale,
+                   max_columns) -> tuple[int, int, bool, int, int, int, int]:
+    """The arguments of the batched attention (prefill_attention_batched, decode_attention_tc), checked:
+    (KV, D, quant, N, H, B, max_columns)."""
+    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
+    check(q, "q", torch.bfloat16, (None, None, D))
+    N, H = q.shape[0], q.shape[1]
+    if H % KV:
+        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
+    if not _aligned(q):
+        raise KernelError("q must be 16-byte aligned")
+    check(positions, "positions", torch.int32, (N,))
+    check(cu_seqlens, "cu_seqlens", torch.int32, (None,))
+    B = cu_seqlens.shape[0] - 1
+    if B < 1:
+        raise KernelError("cu_seqlens: need B + 1 >= 2 entries")
+    check(page_tables, "page_tables", torch.int32, (None, None))
+    if page_tables.shape[0] < B or page_tables.shape[1] < 1:
+        raise KernelError(f"page_tables: shape {tuple(page_tables.shape)} for {B} sequences")
+    if not scale > 0:
+        raise KernelError(f"scale {scale}: must be > 0")
+    max_columns = int(max_columns)
+    if N and not 1 <= max_columns <= N:
+        raise KernelError(f"max_columns {max_columns}: need 1 <= max_columns <= N = {N}")
+    return KV, D, quant, N, H, B, max_columns
+
+
 def prefill_attention_batched(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                               page_tables: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                               scale: float, gate: torch.Tensor, max_columns: int, max_len: int | None = None,
@@ -446,26 +473,8 @@ def prefill_attention_batched(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     (int8 at D 256 needs ~130 KB), takes the torch path instead: prefill_attention per sequence, which
     reads cu_seqlens and the positions on the host (synchronises; not capturable).
     """
-    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
-    check(q, "q", torch.bfloat16, (None, None, D))
-    N, H = q.shape[0], q.shape[1]
-    if H % KV:
-        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
-    if not _aligned(q):
-        raise KernelError("q must be 16-byte aligned")
-    check(positions, "positions", torch.int32, (N,))
-    check(cu_seqlens, "cu_seqlens", torch.int32, (None,))
-    B = cu_seqlens.shape[0] - 1
-    if B < 1:
-        raise KernelError("cu_seqlens: need B + 1 >= 2 entries")
-    check(page_tables, "page_tables", torch.int32, (None, None))
-    if page_tables.shape[0] < B or page_tables.shape[1] < 1:
-        raise KernelError(f"page_tables: shape {tuple(page_tables.shape)} for {B} sequences")
-    if not scale > 0:
-        raise KernelError(f"scale {scale}: must be > 0")
-    max_columns = int(max_columns)
-    if N and not 1 <= max_columns <= N:
-        raise KernelError(f"max_columns {max_columns}: need 1 <= max_columns <= N = {N}")
+    KV, D, quant, N, H, B, max_columns = _check_batched(q, k_pool, v_pool, k_scale, v_scale, page_tables,
+                                                        positions, cu_seqlens, scale, max_columns)
     if max_len is not None and not 1 <= int(max_len) <= page_tables.shape[1] * PAGE_SIZE:
         raise KernelError(f"max_len {max_len}: need 1 <= max_len <= {page_tables.shape[1] * PAGE_SIZE} "
                           f"(page table width * {PAGE_SIZE})")
@@ -537,26 +546,8 @@ def decode_attention_tc(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     never wrong: the last split runs to the end). Device reads only: capturable in a CUDA graph.
     D other than 64/128/256, or a device without the shared memory, takes decode_attention instead
     (it needs seq_of_col: derived here on the device)."""
-    KV, D, quant = _pools(k_pool, v_pool, k_scale, v_scale)
-    check(q, "q", torch.bfloat16, (None, None, D))
-    N, H = q.shape[0], q.shape[1]
-    if H % KV:
-        raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
-    if not _aligned(q):
-        raise KernelError("q must be 16-byte aligned")
-    check(positions, "positions", torch.int32, (N,))
-    check(cu_seqlens, "cu_seqlens", torch.int32, (None,))
-    B = cu_seqlens.shape[0] - 1
-    if B < 1:
-        raise KernelError("cu_seqlens: need B + 1 >= 2 entries")
-    check(page_tables, "page_tables", torch.int32, (None, None))
-    if page_tables.shape[0] < B or page_tables.shape[1] < 1:
-        raise KernelError(f"page_tables: shape {tuple(page_tables.shape)} for {B} sequences")
-    if not scale > 0:
-        raise KernelError(f"scale {scale}: must be > 0")
-    max_columns = int(max_columns)
-    if N and not 1 <= max_columns <= N:
-        raise KernelError(f"max_columns {max_columns}: need 1 <= max_columns <= N = {N}")
+    KV, D, quant, N, H, B, max_columns = _check_batched(q, k_pool, v_pool, k_scale, v_scale, page_tables,
+                                                        positions, cu_seqlens, scale, max_columns)
     gate, gs0, gs1 = _gate(gate, N, H, D)
     out = _gated_out(out, N, H, D, q.device)
     if N == 0:

@@ -120,9 +120,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         variant = gemv_variant()
     elif variant not in VARIANTS:
         raise L.KernelError(f"route: unknown GEMV variant {variant!r}")
-    if variant == "pipelined" and kind == "bf16" and pipe_applies(kind, I, T):
-        return _route_pipe(O, I, T, kind, sm_count, swiglu)     # bf16 up to 8 columns, not only GEMV_COLUMNS
-    if T > GEMV_COLUMNS[kind]:
+    if not _on_gemv(kind, I, T, variant):
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
@@ -419,12 +417,13 @@ def weight_rows(w, a: int, b: int):
     return w[a:b]
 
 
-def _on_gemv(kind: str, I: int, T: int) -> bool:
+def _on_gemv(kind: str, I: int, T: int, variant: str | None = None) -> bool:
     """Whether a launch of T columns goes to the GEMV kernels (else cuBLAS): up to GEMV_COLUMNS[kind],
-    and bf16 up to 8 columns under TANDEM_GEMV_VARIANT=pipelined (gemv_bf16_pipe)."""
+    and bf16 up to 8 columns under the pipelined variant (gemv_bf16_pipe); variant None: the
+    environment's."""
     if T <= GEMV_COLUMNS[kind]:
         return True
-    return kind == "bf16" and gemv_variant() == "pipelined" and pipe_applies(kind, I, T)
+    return kind == "bf16" and (variant or gemv_variant()) == "pipelined" and pipe_applies(kind, I, T)
 
 
 def _shape(w):

@@ -21,6 +21,7 @@ from server.app import create_app
 from server.reasoning_seal import ReasoningSeal
 from server.service import APIError, ContentDelta, Finish, ReasoningDelta
 from tests.scripted_service import ALIAS, MODEL, SEAL, TOO_LONG, ScriptedService, script, serve, sse_events
+from tests.server_util import wait_for
 
 EVENT = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
 USER = [{"role": "user", "content": "hello"}]
@@ -453,7 +454,7 @@ def test_disconnect_cancels_a_non_streamed_request(svc, url):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/messages", json=BASE, timeout=httpx.Timeout(10, read=0.5))
     assert svc.closed_event.wait(5), "the generator was not closed after the client went away"
-    assert svc.released
+    wait_for(lambda: svc.released, timeout=5)       # released just after the close, on the server's loop
 
 
 # ---- the real app, Service and engine -----------------------------------------------------------
