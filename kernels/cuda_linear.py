@@ -8,6 +8,7 @@ launches on torch's current stream without host syncs, so it captures into CUDA 
 
     linear(x, w, out=None, residual=None)   w: bf16 [O, I] tensor or QuantWeight
     linear_swiglu(x, w_gate_up, out=None)   w_gate_up: [2F, I] (gate rows then up rows) -> [T, F]
+    linear_split(x, w, sizes, outs=None)    w fused from parts of `sizes` rows -> one [T, size] per part
     dequantize(w) -> bf16 [O, I]
     route(O, I, T, kind, sm_count, swiglu=False, variant=None) -> dict
     bytes_read(O, I, T, kind) -> int        (the traffic floor a benchmark divides by)
@@ -276,7 +277,8 @@ def _out(out, shape, dev, name="out"):
     return out
 
 
-def _gemv(x, w, out, residual, swiglu: bool):
+def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
+    """parts: the outputs of a fused weight's row ranges (out = parts[0]; see linear_split)."""
     kind, O, I, data, scale, gscale, sb = _check_weight(w, "w")
     dev = data.device
     T = _check_x(x, I, dev)
@@ -284,12 +286,19 @@ def _gemv(x, w, out, residual, swiglu: bool):
     Fh = O // 2 if swiglu else 0
     d = L.device_of(x)
     sms, step, variant = L.sm_count(d), launch_columns(kind, I), gemv_variant()
+    extra = list(parts[1:]) if parts else []
+    bounds, at = [], 0
+    for p in (parts or [])[:-1]:
+        at += p.shape[1]
+        bounds.append(at)
+    bounds += [O] * (3 - len(bounds))                 # o1, o2, o3 (rows where outputs 1, 2, 3 start)
     for a in range(0, T, step):                       # columns in launches of up to `step`
         b = min(T, a + step)
         r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant)
+        ys = [e[a:b] for e in extra] + [None] * (3 - len(extra))
         L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
                  (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
-                  O, I, b - a, r["ks"], mode, Fh, sb),
+                  O, I, b - a, r["ks"], mode, Fh, sb, *ys, *bounds),
                  device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)
     return out
 
@@ -373,6 +382,39 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
     else:
         out.copy_(y)
     return out
+
+
+def linear_split(x: torch.Tensor, w, sizes, outs: list | None = None) -> list[torch.Tensor]:
+    """x @ W^T for a weight fused from up to four parts of `sizes` rows (q|k|v, GDN qkv|z, a|b):
+    one bf16 [T, size] output per part. On the GEMV one launch writes each part's rows to its own
+    output; on cuBLAS each part is a matmul over its rows of W (so no copies either way)."""
+    O, I = _shape(w)
+    sizes = [int(n) for n in sizes]
+    if not 1 <= len(sizes) <= 4 or min(sizes) < 1 or sum(sizes) != O:
+        raise L.KernelError(f"linear_split: sizes {sizes} must be 1 to 4 positive counts summing to {O}")
+    dev = w.data.device if isinstance(w, QuantWeight) else w.device
+    T = _check_x(x, I, dev)
+    outs = list(outs) if outs is not None else [None] * len(sizes)
+    if len(outs) != len(sizes):
+        raise L.KernelError(f"linear_split: {len(outs)} outputs for {len(sizes)} parts")
+    outs = [_out(o, (T, n), dev, f"outs[{i}]") for i, (o, n) in enumerate(zip(outs, sizes))]
+    if len(sizes) > 1 and _on_gemv(_kind_of(w), I, T):
+        _gemv(x, w, outs[0], None, swiglu=False, parts=outs)
+        return outs
+    a = 0
+    for o, n in zip(outs, sizes):
+        linear(x, weight_rows(w, a, a + n), out=o)
+        a += n
+    return outs
+
+
+def weight_rows(w, a: int, b: int):
+    """Rows [a, b) of a bf16 or quantised weight, as a view (fp8_block: a % 128 == 0)."""
+    if isinstance(w, QuantWeight):
+        if w.kind == "fp8_block" and a % 128:
+            raise L.KernelError(f"fp8_block weight rows from {a}: must start at a multiple of 128")
+        return _slab(w, a, b)
+    return w[a:b]
 
 
 def _on_gemv(kind: str, I: int, T: int, variant: str | None = None) -> bool:

@@ -157,6 +157,7 @@ class CudaHybridModel(HybridModel):
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format {weight_format!r}: choose from {', '.join(WEIGHT_FORMATS)}")
         _fuse_gate_up(weights)
+        _fuse_projections(weights)
         super().__init__(spec, weights, tp=tp, all_reduce=all_reduce)
         self.weight_format = weight_format
         if weight_format != "bf16":
@@ -385,9 +386,8 @@ class CudaHybridModel(HybridModel):
         gate [N, H, D] view of the q projection's per-head [q | gate])."""
         s, w, N = self.spec, self.w, h.shape[0]
         H, D = self.num_heads, s.head_dim
-        qg = self._linear(h, w[p + "self_attn.q_proj.weight"])                # [N, H*2D]
-        k = self._linear(h, w[p + "self_attn.k_proj.weight"])
-        v = self._linear(h, w[p + "self_attn.v_proj.weight"])
+        qg, k, v = self._projections(h, p + "self_attn.", "qkv_proj.weight",
+                                     ("q_proj.weight", "k_proj.weight", "v_proj.weight"))   # qg [N, H*2D]
         q = ca.qk_norm_rope_kv_write(qg, k, v, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
                                      s.rms_norm_eps, positions, seq_of_col, page_tables, k_pool, v_pool,
                                      s.rotary_dim, s.rope_theta, k_scale=k_scale, v_scale=v_scale)
@@ -417,9 +417,19 @@ class CudaHybridModel(HybridModel):
 
     def _gdn_in(self, p: str, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]."""
-        w, q = self.w, p + "linear_attn."
-        return tuple(self._linear(h, w[q + n]) for n in ("in_proj_qkv.weight", "in_proj_z.weight",
-                                                         "in_proj_a.weight", "in_proj_b.weight"))
+        q = p + "linear_attn."
+        qkv, z = self._projections(h, q, "in_proj_qkvz.weight", ("in_proj_qkv.weight", "in_proj_z.weight"))
+        a, b = self._projections(h, q, "in_proj_ab.weight", ("in_proj_a.weight", "in_proj_b.weight"))
+        return qkv, z, a, b
+
+    def _projections(self, h: Tensor, prefix: str, fused: str, parts: tuple[str, ...]) -> list[Tensor]:
+        """The outputs of the linears `parts` (names under prefix): one launch over their fused weight
+        where _fuse_projections made one, else one linear each."""
+        w = self.w
+        f = w.get(prefix + fused)
+        if f is None or h.dtype != torch.bfloat16:
+            return [self._linear(h, w[prefix + n]) for n in parts]
+        return cl.linear_split(h.contiguous(), f, [_out_features(w[prefix + n]) for n in parts])
 
     def _gdn_out(self, p: str, qkv: Tensor, z: Tensor, a: Tensor, b: Tensor, state: ModelState, j: int,
                  slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, keep_states: Tensor | None = None,
@@ -534,9 +544,69 @@ def _fuse_gate_up(weights: dict[str, Tensor]) -> None:
         weights[base + "up_proj.weight"] = fused[fused.shape[0] // 2:]
 
 
+# Linears that read the same input, concatenated at load into one weight (one GEMV launch per step
+# instead of one per part; kernels/cuda_linear.linear_split writes each part to its own output): the
+# fused name and its parts (suffixes), and whether quantisation on load converts it.
+FUSED_PROJECTIONS = (
+    ("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
+    ("linear_attn.in_proj_qkvz.weight", ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"), True),
+    ("linear_attn.in_proj_ab.weight", ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight"), False),
+)
+
+
+def _out_features(t) -> int:
+    return t.out_features if isinstance(t, QuantWeight) else t.shape[0]
+
+
+def _fuse_projections(weights: dict[str, Tensor | QuantWeight]) -> None:
+    """Concatenate each FUSED_PROJECTIONS group of 16-bit weights into one [sum O, I] weight; the parts
+    stay as views of it. Groups with a quantised part (a quantised checkpoint) stay apart."""
+    for fused, parts, _ in FUSED_PROJECTIONS:
+        for name in [n for n in weights if n.endswith(parts[0])]:
+            base = name[: -len(parts[0])]
+            ts = [weights.get(base + p) for p in parts]
+            if base + fused in weights or any(not isinstance(t, Tensor) or t.dim() != 2 for t in ts):
+                continue
+            if len({(t.dtype, t.device, t.shape[1]) for t in ts}) != 1:
+                continue
+            cat = torch.cat(ts, dim=0)
+            del ts
+            weights[base + fused] = cat
+            a = 0
+            for p in parts:
+                n = weights[base + p].shape[0]
+                weights[base + p] = cat[a:a + n]
+                a += n
+
+
+def _quantise_fused(weights: dict[str, Tensor | QuantWeight], fmt: str, fn) -> None:
+    """Quantise the fused projections as one weight (one nvfp4 global scale for the group) and make
+    their parts row slices of it; for fp8-block, a group whose part boundaries are not multiples of 128
+    rows (its scale tiles would straddle two parts) is quantised part by part and unfused."""
+    for fused, parts, quantised in FUSED_PROJECTIONS:
+        if not quantised:
+            continue
+        for name in [n for n in weights if n.endswith(fused) and isinstance(weights[n], Tensor)]:
+            base = name[: -len(fused)]
+            sizes = [_out_features(weights[base + p]) for p in parts]
+            bounds = [sum(sizes[:i]) for i in range(1, len(sizes))]
+            if fmt == "fp8-block" and any(b % 128 for b in bounds):
+                for p in parts:
+                    weights[base + p] = fn(weights[base + p].contiguous())
+                del weights[name]
+                continue
+            q = fn(weights[name])
+            weights[name] = q
+            a = 0
+            for p, n in zip(parts, sizes):
+                weights[base + p] = cl.weight_rows(q, a, a + n)
+                a += n
+
+
 def quantise_weights(weights: dict[str, Tensor | QuantWeight], fmt: str) -> None:
     """Replace the QUANTISED linear weights by `fmt` (fp8 per-row, fp8-block 128x128, nvfp4) in place."""
     fn = {"fp8": quantize_fp8_rows, "fp8-block": quantize_fp8_blocks, "nvfp4": quantize_nvfp4}[fmt]
+    _quantise_fused(weights, fmt, fn)
     for name in sorted(weights):
         if name.endswith(QUANTISED) and isinstance(weights[name], Tensor):
             weights[name] = fn(weights[name])
@@ -548,14 +618,26 @@ def quantise_weights(weights: dict[str, Tensor | QuantWeight], fmt: str) -> None
 
 
 def weight_bytes(weights: dict[str, Tensor | QuantWeight]) -> int:
-    seen, total = set(), 0
+    """Bytes of the weights, each once: views of a 16-bit weight count with its storage; quantised
+    weights sharing a storage (a fused weight and its parts' row slices) count as the one that covers
+    the others, else each."""
+    seen, groups, total = set(), {}, 0
     for name, t in weights.items():
         if isinstance(t, QuantWeight):
-            total += t.nbytes()
+            g = groups.setdefault(t.data.untyped_storage().data_ptr(), {})
+            g[(t.data.data_ptr(), t.data.numel())] = t
             continue
         key = t.untyped_storage().data_ptr()
         if key in seen:
             continue
         seen.add(key)
         total += t.untyped_storage().nbytes()
+    for g in groups.values():
+        items = list(g.values())
+        big = max(items, key=lambda q: q.data.numel())
+        lo, hi = big.data.data_ptr(), big.data.data_ptr() + big.data.numel()
+        if all(lo <= q.data.data_ptr() and q.data.data_ptr() + q.data.numel() <= hi for q in items):
+            total += big.nbytes()
+        else:
+            total += sum(q.nbytes() for q in items)
     return total

@@ -287,7 +287,8 @@ def _launch(kernel, x, w, out, ks, mode, residual=None):
     tiles = -(-(O // 2) // 8) if mode == 2 else -(-O // 16)
     d = L.device_of(x)
     L.launch(L.kernel("gemv", kernel, d), (-(-tiles // (8 // ks)),), (256,),
-             (out, x, data, scale, gscale, residual, O, I, x.shape[0], ks, mode, O // 2 if mode == 2 else 0, sb),
+             (out, x, data, scale, gscale, residual, O, I, x.shape[0], ks, mode, O // 2 if mode == 2 else 0, sb,
+              None, None, None, O, O, O),
              device=d)
     return out
 
@@ -442,3 +443,49 @@ def test_dependent_launch_chain(kind, graph, seed, variant, monkeypatch):
     # growing like their square root; a read of x before the norm wrote it would be O(1).
     assert not torch.isnan(got).any()
     assert rel(got, xf) <= 3e-2, rel(got, xf)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused weights with several outputs (linear_split): q|k|v, GDN qkv|z and a|b at the 27B and 35B-A3B
+# shapes, and odd ones; the GEMV writes each part's rows to its own output in one launch, cuBLAS runs
+# one matmul per part.
+
+SPLITS = [((12288, 1024, 1024), 5120), ((10240, 6144), 5120), ((48, 48), 5120), ((8192, 512, 512), 2048),
+          ((8192, 4096), 2048), ((32, 32), 2048), ((128, 256, 384, 128), 1040), ((77, 3, 40, 16), 1040)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sizes,I", SPLITS)
+def test_linear_split(kind, sizes, I, seed, variant):
+    from kernels.cuda_linear import linear_split
+    bounds = [sum(sizes[:i]) for i in range(1, len(sizes))]
+    if kind == "fp8_block" and any(b % 128 for b in bounds):
+        pytest.skip("fp8_block parts start at multiples of 128 rows (the model keeps other groups apart)")
+    w, wf = _weight(kind, sum(sizes), I, seed)
+    for T in (1, 3, 8, 13) + (() if kind == "bf16" else (40, 70)):
+        x = _x(T, I, seed + T)
+        outs = [torch.full((T, n), float("nan"), dtype=torch.bfloat16, device="cuda") for n in sizes]
+        got = linear_split(x, w, sizes, outs=outs)
+        want = ref.linear(x.float(), wf)
+        a = 0
+        for o, g, n in zip(outs, got, sizes):
+            assert g is o
+            _check(g, want[:, a:a + n])
+            a += n
+    fresh = linear_split(_x(2, I, seed), w, sizes)                       # outputs allocated
+    assert [tuple(t.shape) for t in fresh] == [(2, n) for n in sizes]
+
+
+def test_linear_split_errors(seed):
+    from kernels.cuda_linear import linear_split
+    w, _ = _weight("bf16", 96, 64, seed)
+    x = _x(1, 64, seed)
+    with pytest.raises(KernelError, match="summing to 96"):
+        linear_split(x, w, [32, 32])
+    with pytest.raises(KernelError, match="1 to 4"):
+        linear_split(x, w, [16] * 6)
+    with pytest.raises(KernelError, match="2 outputs for 3 parts"):
+        linear_split(x, w, [32, 32, 32], outs=[torch.empty(1, 32, dtype=torch.bfloat16, device="cuda")] * 2)
+    with pytest.raises(KernelError, match=r"outs\[1\]: shape"):
+        linear_split(x, w, [32, 64], outs=[torch.empty(1, 32, dtype=torch.bfloat16, device="cuda"),
+                                           torch.empty(1, 32, dtype=torch.bfloat16, device="cuda")])

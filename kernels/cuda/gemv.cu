@@ -30,7 +30,9 @@
 // memory (TANDEM_GEMV_VARIANT=pipelined; not the default route yet).
 //
 // Epilogue `mode`: 0 store bf16(y); 1 residual: bf16(residual + bf16(y)); 2 SwiGLU over a gate|up
-// weight of 2F rows: out[T, F] = bf16(bf16(silu(bf16(gate))) * bf16(up)).
+// weight of 2F rows: out[T, F] = bf16(bf16(silu(bf16(gate))) * bf16(up)). Every kernel also takes y1..y3
+// and o1..o3 (struct Split): the rows of a fused weight (q|k|v, GDN qkv|z, a|b) stored to up to four
+// separate outputs in one launch; o1 = o2 = o3 = O leaves y [T, O] alone.
 #include "common.cuh"
 
 #define KIND_BF16 0
@@ -88,6 +90,22 @@ __device__ __forceinline__ void fp4x8_scaled(unsigned w, float* f) {
 }
 
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.f + expf(-x)); }
+
+// Outputs of a fused weight (modes 0 and 1): rows [0, o1) of the product go to y [T, o1], [o1, o2)
+// to y1 [T, o2 - o1], [o2, o3) to y2, [o3, O) to y3, each row-major. o1 = o2 = o3 = O: y [T, O] alone.
+struct Split {
+    bf16_t* y1;
+    bf16_t* y2;
+    bf16_t* y3;
+    int o1, o2, o3;
+};
+
+__device__ __forceinline__ bf16_t* split_out(bf16_t* y, const Split& sp, int O, int col, int row) {
+    if (row < sp.o1) return y + (i64_t)col * sp.o1 + row;
+    if (row < sp.o2) return sp.y1 + (i64_t)col * (sp.o2 - sp.o1) + (row - sp.o1);
+    if (row < sp.o3) return sp.y2 + (i64_t)col * (sp.o3 - sp.o2) + (row - sp.o2);
+    return sp.y3 + (i64_t)col * (O - sp.o3) + (row - sp.o3);
+}
 
 template <int KIND> struct ChunkInfo;
 template <> struct ChunkInfo<KIND_BF16> { enum { EPC = 8, CB = 16 }; };
@@ -191,7 +209,7 @@ template <int KIND, int NT>
 __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
                                           const u8_t* __restrict__ w, const void* __restrict__ scale,
                                           const float* __restrict__ gscale, const bf16_t* residual,
-                                          int O, int I, int T, int ks, int mode, int F, int sb) {
+                                          int O, int I, int T, int ks, int mode, int F, int sb, const Split& split) {
     constexpr int R = GEMV_R;
     constexpr int U = NT <= 2 ? 4 : (NT <= 8 ? 2 : 1);                // chunks per row in flight
     constexpr int EPC = ChunkInfo<KIND>::EPC, CB = ChunkInfo<KIND>::CB;
@@ -315,7 +333,7 @@ __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* 
                     const i64_t o = (i64_t)t * O + rows[r];
                     bf16_t b = f32_to_bf16(v[r]);
                     if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
-                    y[o] = b;
+                    *split_out(y, split, O, t, rows[r]) = b;
                 }
             }
         }
@@ -324,8 +342,8 @@ __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* 
 
 #define GEMV_ARGS bf16_t* __restrict__ y, const bf16_t* __restrict__ x, const u8_t* __restrict__ w, \
     const void* __restrict__ scale, const float* __restrict__ gscale, const bf16_t* residual, \
-    int O, int I, int T, int ks, int mode, int F, int sb
-#define GEMV_PASS y, x, w, scale, gscale, residual, O, I, T, ks, mode, F, sb
+    int O, int I, int T, int ks, int mode, int F, int sb, bf16_t* y1, bf16_t* y2, bf16_t* y3, int o1, int o2, int o3
+#define GEMV_PASS y, x, w, scale, gscale, residual, O, I, T, ks, mode, F, sb, Split{y1, y2, y3, o1, o2, o3}
 
 #define GEMV_KERNEL(name, KIND, NT) \
     extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { pdl_trigger(); gemv_body<KIND, NT>(GEMV_PASS); }
@@ -554,7 +572,7 @@ __device__ __forceinline__ void tc_row_scales(const void* __restrict__ scale, co
 // columns (columns >= T are not stored), through the `mode` epilogue.
 __device__ __forceinline__ void tc_store(bf16_t* __restrict__ y, const bf16_t* residual, const float (&v)[4],
                                          const float (&mul)[2], const bool (&ok)[2], const int (&rows)[2], int c0,
-                                         int T, int O, int F, int mode) {
+                                         int T, int O, int F, int mode, const Split& split) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int col = c0 + j;
@@ -575,7 +593,7 @@ __device__ __forceinline__ void tc_store(bf16_t* __restrict__ y, const bf16_t* r
                     const i64_t o = (i64_t)col * O + rows[r];
                     bf16_t b = f32_to_bf16(rv[r]);
                     if (mode == 1) b = f32_to_bf16(bf16_to_f32(residual[o]) + bf16_to_f32(b));
-                    y[o] = b;
+                    *split_out(y, split, O, col, rows[r]) = b;
                 }
             }
         }
@@ -588,7 +606,7 @@ template <int KIND, int NB>
 __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
                                              const u8_t* __restrict__ w, const void* __restrict__ scale,
                                              const float* __restrict__ gscale, const bf16_t* residual,
-                                             int O, int I, int T, int ks, int mode, int F, int sb) {
+                                             int O, int I, int T, int ks, int mode, int F, int sb, const Split& split) {
     constexpr int S = NB == 1 ? 2 : 1;                               // accumulator sets per tile
     constexpr int U = NB == 1 ? (KIND == KIND_NVFP4 ? 2 : 4) : 2;    // steps in flight per lane
     constexpr int EPC = KIND == KIND_NVFP4 ? 32 : 16;               // elements per 16-byte chunk
@@ -705,7 +723,7 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
             for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
             v[i] = s;
         }
-        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode);
+        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode, split);
     }
 }
 
@@ -911,7 +929,7 @@ template <int KIND, int D>
 __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
                                                const u8_t* __restrict__ w, const void* __restrict__ scale,
                                                const float* __restrict__ gscale, const bf16_t* residual,
-                                               int O, int I, int T, int ks, int mode, int F, int sb) {
+                                               int O, int I, int T, int ks, int mode, int F, int sb, const Split& split) {
     constexpr bool NVFP4 = KIND == KIND_NVFP4;
     constexpr int EPC = NVFP4 ? 32 : (KIND == KIND_BF16 ? 8 : 16);  // elements per 16-byte chunk
     constexpr int NL = GEMV_WARPS * 32;                               // lanes per block
@@ -1029,7 +1047,7 @@ __device__ __forceinline__ void gemv_pipe_body(bf16_t* __restrict__ y, const bf1
         for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][i][lane];
         v[i] = s;
     }
-    tc_store(y, residual, v, mul, ok, rows, 2 * t, T, O, F, mode);
+    tc_store(y, residual, v, mul, ok, rows, 2 * t, T, O, F, mode, split);
 }
 
 #define GEMV_PIPE_KERNEL(name, KIND, D)                                                     \
