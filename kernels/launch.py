@@ -148,7 +148,7 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
 # kernel wrote or writes anything (tests/test_launch.py checks their PTX). The GEMV kernels put weight
 # loads in flight first; the others wait at entry (pdl_enter()).
 PDL_PREFIXES = ("gemv_bf16_", "gemv_fp8row_", "gemv_fp8blk_", "gemv_nvfp4", "gqa_decode_split_g", "gqa_decode_split_i8_g",
-                "gdn_recurrent_dk")
+                "gdn_recurrent_dk", "mailbox_exchange_f", "mailbox_lean_w")
 PDL_KERNELS = frozenset({
     "embedding_bf16_v8", "embedding_bf16_generic", "rms_norm_bf16_v8", "rms_norm_bf16_generic",
     "add_rms_norm_bf16_v8", "add_rms_norm_bf16_generic", "swiglu_bf16_v8", "swiglu_bf16_generic",

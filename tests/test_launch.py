@@ -145,6 +145,7 @@ def test_every_pdl_kernel_waits(tmp_path: Path):
     assert L.PDL_KERNELS <= seen, f"registered but not in any source: {sorted(L.PDL_KERNELS - seen)}"
     assert sum(n.startswith("gemv_") for n in seen) >= 20
     assert any(n.startswith("gqa_decode_split_g") for n in seen) and any(n.startswith("gdn_recurrent_dk") for n in seen)
+    assert {"mailbox_exchange_f2", "mailbox_lean_w1", "mailbox_lean_w2"} <= seen
 
 
 def test_memory_op_scan_sees_loads_and_stores():

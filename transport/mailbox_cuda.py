@@ -28,6 +28,11 @@ name (classic = f2, lean16 = f4, lean8 = f12) followed by optional fields f<flag
 t<threads per block> d<first-poll delay in ns, lean only>, e.g. `lean8`, `lean8t128d300`, `f2b16`.
 TANDEM_MAILBOX_VARIANT selects one for every CudaMailbox of a process (TANDEM_MAILBOX_FLAGS=<int> still
 sets the flags alone); `CudaMailbox(..., variant=...)` and `mb.variant = ...` override it.
+
+Every exchange is a programmatic dependent launch on sm_90+ (kernels/launch.py; TANDEM_PDL=0 turns it
+off): it may be scheduled while the kernel that produced its input is finishing, waits for it at entry,
+and lets the kernel after it be scheduled at once, so in a decode graph the next norm and GEMV launch
+(and the GEMV's weight loads start) while the exchange waits for its peers.
 """
 
 from __future__ import annotations
@@ -375,7 +380,7 @@ class CudaMailbox:
         if v.lean:
             args += (np.int64(v.delay_ns * self.clock_khz // 1_000_000),)
         fn = self._kernel("exchange", v.kernel, self.device)
-        self._launch(fn, (blocks,), (threads,), args, device=self.device)
+        self._launch(fn, (blocks,), (threads,), args, device=self.device, pdl=True)   # exchange.cu: pdl_enter
 
 
 def _clock_khz(device: int) -> int:

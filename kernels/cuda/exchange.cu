@@ -12,7 +12,9 @@
 // + 1 (1 .. 2^32 - 2, an even period: the slots keep alternating across the wrap); the block that finishes
 // last (state[1] counts finished blocks) stores e into state[0] and resets state[1] (the lean kernel counts
 // warps in state[MB_LEAN_TICKET] instead). Consecutive exchanges are consecutive launches on one stream, so
-// the next launch sees the new epoch.
+// the next launch sees the new epoch. Both kernels are dependent launches (pdl_enter() first: the kernel
+// after them may be scheduled at once; they read nothing, the epoch included, before the grid in front of
+// them has completed), which keeps the stream order this relies on.
 //
 // Why a slot can be rewritten: a rank writes exchange e + 2 (same slot as e) only after its launch for
 // e + 1 finished, which needed every peer's e + 1 words, which each peer wrote only after its launch for
@@ -146,6 +148,7 @@ template <int flags>
 __device__ __forceinline__ void mailbox_exchange_body(const void* in, void* out, u64_t* seg, unsigned* state, int rank,
                                                       int tp, long long words, int n, int in_f32, int out_f32,
                                                       int gather, long long out_stride, u64_t timeout_ns) {
+    pdl_enter();   // a dependent launch: the next kernel may be scheduled now; the input and epoch after the wait
     __shared__ unsigned s_epoch;
     u64_t* hang = seg + MB_HANG_WORD;
     if (threadIdx.x == 0) s_epoch = ld_acquire_u32(state) % MB_PERIOD + 1u;   // ordered before the atomic below
@@ -482,6 +485,7 @@ template <int W, int P, int B>
 __device__ __forceinline__ void lean_body(const void* in, void* out, u64_t* seg, unsigned* state, int rank, int tp,
                                           long long words, int n, int in_f32, int out_f32, int gather,
                                           long long out_stride, u64_t timeout_ns, long long delay_cycles) {
+    pdl_enter();   // as in the classic kernel
     const int lane = threadIdx.x & 31;
     const long long G = (long long)gridDim.x * blockDim.x;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
