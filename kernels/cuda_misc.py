@@ -197,26 +197,35 @@ def swiglu(y: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def moe_route(logits: Tensor, top_k: int, weights_out: Tensor | None = None,
-              ids_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Router logits [N, X] (bf16 or fp32, X <= 512) -> (weights [N, A] bf16, ids [N, A] int32)."""
+              ids_out: Tensor | None = None, shared: bool = False) -> tuple[Tensor, Tensor]:
+    """Router logits [N, X] (bf16 or fp32, X <= 512) -> (weights [N, A] bf16, ids [N, A] int32): the
+    softmax's top_k, renormalised to sum 1 (A = top_k). shared: the last column of logits is the
+    shared expert's gate logit, not a router logit; the top_k come from the other X - 1 columns, and a
+    last slot (A = top_k + 1) holds the shared expert as id X - 1 with weight bf16(sigmoid(gate logit))
+    (the expert kernels then run it beside the routed ones: the experts stacked with it last)."""
     check(logits, "logits", (BF16, torch.float32), (None, None))
     N, X = logits.shape
     if X > ROUTE_MAX_X:
         raise KernelError(f"logits: {X} experts > {ROUTE_MAX_X}")
-    if not 1 <= top_k <= min(X, ROUTE_MAX_K):
-        raise KernelError(f"top_k: {top_k} not in [1, {min(X, ROUTE_MAX_K)}]")
+    routed = X - 1 if shared else X
+    if not 1 <= top_k <= min(routed, ROUTE_MAX_K - (1 if shared else 0)):
+        raise KernelError(f"top_k: {top_k} not in [1, {min(routed, ROUTE_MAX_K - (1 if shared else 0))}]")
+    A = top_k + (1 if shared else 0)
     if weights_out is None:
-        weights_out = torch.empty(N, top_k, dtype=BF16, device=logits.device)
+        weights_out = torch.empty(N, A, dtype=BF16, device=logits.device)
     if ids_out is None:
-        ids_out = torch.empty(N, top_k, dtype=torch.int32, device=logits.device)
-    check(weights_out, "weights_out", BF16, (N, top_k))
-    check(ids_out, "ids_out", torch.int32, (N, top_k))
+        ids_out = torch.empty(N, A, dtype=torch.int32, device=logits.device)
+    check(weights_out, "weights_out", BF16, (N, A))
+    check(ids_out, "ids_out", torch.int32, (N, A))
+    if not logits.is_contiguous() or not weights_out.is_contiguous() or not ids_out.is_contiguous():
+        raise KernelError("logits, weights_out and ids_out must be contiguous")
     dev = _same_device(logits=logits, weights_out=weights_out, ids_out=ids_out)
     if N == 0:
         return weights_out, ids_out
     warps = 4
     launch(kernel("moe", "moe_route_topk", dev), (_cdiv(N, warps),), (32 * warps,),
-           (weights_out, ids_out, logits, int(logits.dtype == torch.float32), N, X, int(top_k)), device=dev, pdl=True)
+           (weights_out, ids_out, logits, int(logits.dtype == torch.float32), N, X, int(top_k), int(shared)),
+           device=dev, pdl=True)
     return weights_out, ids_out
 
 

@@ -162,6 +162,7 @@ class CudaHybridModel(HybridModel):
         self.weight_format = weight_format
         if weight_format != "bf16":
             quantise_weights(weights, weight_format)
+        _fold_shared_experts(weights)
         self.device_index = launch.device_of(emb)
         with torch.cuda.device(self.device_index):
             launch.warm_up(self.device_index)
@@ -454,6 +455,13 @@ class CudaHybridModel(HybridModel):
         if not self.spec.is_moe:
             mid = self._linear_swiglu(h, w[p + "gate_up_proj.weight"])
             return self.all_reduce(self._linear(mid, w[p + "down_proj.weight"]))
+        if not long and p + SHARED_FOLD[0] in w:
+            # the shared expert as one more expert (_fold_shared_experts): router and shared gate in one
+            # GEMV, its sigmoid in the route kernel, its SwiGLU and down projection in the expert kernels
+            logits = self._linear(h, w[p + SHARED_FOLD[0]])
+            wts, ids = cm.moe_route(logits, self.spec.num_experts_per_tok, shared=True)
+            y = cm.moe_experts_decode(h, ids, wts, w[p + SHARED_FOLD[1]], w[p + SHARED_FOLD[2]])
+            return self.all_reduce(y)
         router = self._linear(h, w[p + "gate.weight"])
         wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
         experts = cm.moe_experts_prefill if long else cm.moe_experts_decode
@@ -542,6 +550,55 @@ def _fuse_gate_up(weights: dict[str, Tensor]) -> None:
         weights[base + "gate_up_proj.weight"] = fused
         weights[name] = fused[: fused.shape[0] // 2]
         weights[base + "up_proj.weight"] = fused[fused.shape[0] // 2:]
+
+
+# The shared expert folded into the routed experts for decode (_fold_shared_experts): names under
+# "...mlp." of the router with the shared gate as its last row [X + 1, E], and the expert stacks with the
+# shared expert as expert X: gate|up [X + 1, 2I, E], down [X + 1, E, I].
+SHARED_FOLD = ("gate_shared.weight", "experts_shared.gate_up_proj", "experts_shared.down_proj")
+
+
+def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight]) -> None:
+    """Where a MoE layer's shared expert has the routed experts' shapes and dtype (the 35B-A3B: both
+    SwiGLU 512 wide, bf16), stack it after them as one more expert and its gate after the router's rows
+    (SHARED_FOLD): a decode step then routes it as a (top_k + 1)-th expert with weight
+    sigmoid(gate logit), which saves the shared expert's three GEMV launches and the gating's three
+    elementwise ones per layer. The old names stay as views of the stacks (prefill and the reference
+    path use them); layers whose shapes differ, or whose shared expert is quantised, stay apart."""
+    for name in [n for n in weights if n.endswith("mlp.shared_expert_gate.weight")]:
+        q = name[: -len("shared_expert_gate.weight")]
+        if q + SHARED_FOLD[0] in weights:
+            continue
+        sg, router = weights[name], weights.get(q + "gate.weight")
+        gu, dn = weights.get(q + "experts.gate_up_proj"), weights.get(q + "experts.down_proj")
+        sgu, sdn = weights.get(q + "shared_expert.gate_up_proj.weight"), weights.get(q + "shared_expert.down_proj.weight")
+        ts = (sg, router, gu, dn, sgu, sdn)
+        if any(not isinstance(t, Tensor) or t.dtype != torch.bfloat16 for t in ts):
+            continue
+        if gu.dim() != 3 or dn.dim() != 3 or sgu.shape != gu.shape[1:] or sdn.shape != dn.shape[1:]:
+            continue
+        if router.dim() != 2 or sg.shape != (1, router.shape[1]):
+            continue
+        X, I = gu.shape[0], gu.shape[1] // 2
+        stack_gu = torch.cat([gu, sgu[None]], 0)
+        del gu
+        weights[q + "experts.gate_up_proj"] = stack_gu[:X]
+        weights[q + "shared_expert.gate_up_proj.weight"] = stack_gu[X]
+        if q + "shared_expert.gate_proj.weight" in weights:
+            weights[q + "shared_expert.gate_proj.weight"] = stack_gu[X, :I]
+            weights[q + "shared_expert.up_proj.weight"] = stack_gu[X, I:]
+        stack_dn = torch.cat([dn, sdn[None]], 0)
+        del dn
+        weights[q + "experts.down_proj"] = stack_dn[:X]
+        weights[q + "shared_expert.down_proj.weight"] = stack_dn[X]
+        gates = torch.cat([router, sg], 0)
+        weights[q + "gate.weight"] = gates[:X]
+        weights[q + "shared_expert_gate.weight"] = gates[X:]
+        weights[q + SHARED_FOLD[0]] = gates
+        weights[q + SHARED_FOLD[1]] = stack_gu
+        weights[q + SHARED_FOLD[2]] = stack_dn
+        del ts, sgu, sdn, sg, router
+    torch.cuda.empty_cache()
 
 
 # Linears that read the same input, concatenated at load into one weight (one GEMV launch per step

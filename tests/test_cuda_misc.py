@@ -219,6 +219,29 @@ def test_moe_route(N, E, X, A, logit_dtype, seed):
     assert near <= max(1, N // 4)
 
 
+@pytest.mark.parametrize("N,X,A", [(1, 256, 8), (64, 256, 8), (5, 8, 2), (3, 32, 31), (9, 511, 8)])
+@pytest.mark.parametrize("logit_dtype", [BF16, torch.float32])
+def test_moe_route_with_the_shared_expert(N, X, A, logit_dtype, seed):
+    """shared=True: logits [N, X + 1], the last column the shared expert's gate. The first A slots are
+    moe_route of the X router columns alone (the same ids and weights, bit for bit), slot A is expert X
+    with torch's bf16 sigmoid of the gate logit."""
+    cm = _cm()
+    g = _gen(seed)
+    E = 64
+    x = _randn((N, E), g)
+    w = _randn((X + 1, E), g, scale=2.0 / E ** 0.5)
+    logits = F.linear(x, w).to(logit_dtype)
+    weights, ids = cm.moe_route(logits, A, weights_out=_poison((N, A + 1), BF16),
+                                ids_out=_poison((N, A + 1), torch.int32), shared=True)
+    plain_w, plain_ids = cm.moe_route(logits[:, :X].contiguous(), A)
+    assert torch.equal(ids[:, :A], plain_ids) and torch.equal(weights[:, :A], plain_w)
+    assert (ids[:, A] == X).all()
+    want = torch.sigmoid(logits[:, X].float().cpu()).to(BF16)
+    assert int(_ulps(weights[:, A].cpu(), want).max()) <= 1
+    with pytest.raises(cm.KernelError, match="top_k"):
+        cm.moe_route(logits, X + 1, shared=True)              # X routed experts only
+
+
 def test_keyed_noise_is_the_same_on_the_gpu(seed):
     """The sampler's keyed uniforms are integer hashes: the same bits on the GPU as on the CPU (the
     noise a GPU rank adds equals the reference backend's up to the last ulp of log)."""

@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = {
     "tiny-dense": lambda: tiny_spec(False),
     "tiny-moe": lambda: tiny_spec(True),
+    # the shared expert as wide as the routed ones: folded into them for decode (model_cuda SHARED_FOLD)
+    "tiny-moe-folded": lambda: tiny_spec(True, shared_expert_intermediate_size=32),
     "small": lambda: spec_for("small"),
     "27b-4layers": lambda: spec_for("27b", num_layers=4),
     "35b-4layers": lambda: spec_for("35b-a3b", num_layers=4),
@@ -142,7 +144,7 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed):
     assert clear > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])
 def test_mixed_prefill_and_decode_steps_match_the_float32_reference(name, seed):
     """Steps that carry decode columns (1-3 per sequence) beside other sequences' prefill chunks run
     the long-step program: the leading decodes through the split decode kernel, the rest through the
@@ -177,7 +179,7 @@ def test_mixed_prefill_and_decode_steps_match_the_float32_reference(name, seed):
     assert check.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])
 def test_speculation_step_with_a_prompt_chunk_matches_the_float32_reference(name, seed):
     """A verification step that also carries a prompt chunk, as the engine plans one when a request
     arrives during speculation: the CUDA model runs it in two parts (forward_in_parts: the verification
@@ -213,7 +215,21 @@ def test_speculation_step_with_a_prompt_chunk_matches_the_float32_reference(name
     assert check.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+@pytest.mark.parametrize("name,folded", [("tiny-moe", False), ("tiny-moe-folded", True), ("35b-4layers", True)])
+def test_shared_expert_is_folded_where_shapes_allow(name, folded, seed):
+    """The decode path routes the shared expert as one more expert exactly where its shapes match the
+    routed experts' (else the teacher-forced tests above would pass on the unfolded path alone)."""
+    from ranks.model_cuda import SHARED_FOLD, CudaHybridModel
+    spec = SPECS[name]()
+    w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
+    m = CudaHybridModel(spec, w, cuda_graphs=False)
+    prefixes = [n[: -len("shared_expert_gate.weight")] for n in m.w if n.endswith("mlp.shared_expert_gate.weight")]
+    assert prefixes
+    for q in prefixes:
+        assert all((q + n in m.w) == folded for n in SHARED_FOLD), q
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])
 def test_graph_replay_equals_eager_bit_for_bit(name, seed):
     spec = SPECS[name]()
     from ranks.model_cuda import CudaHybridModel
@@ -367,7 +383,7 @@ def test_gpu_rounds_equal_eager_rounds_with_stops_and_concurrency(monkeypatch):
     assert generate(3, False)[0] == plain, "eager rounds, K=3"
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])
 def test_mtp_layer_matches_the_float32_reference(name, seed):
     """CudaHybridModel.mtp_forward (drafting columns on the kernels, MTP KV pools) against the float32
     reference's mtp_forward on the same weights, after the same target prefill."""

@@ -25,14 +25,20 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
 
 // grid (ceil(N / warps per block)), block: a multiple of 32. logits [N, X] (bf16, or fp32 when
 // logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
+// shared: the last logit column is the shared expert's gate, not a router logit: the top K come from
+// the first X - 1 columns, and slot K (weights_out and ids_out are [N, K + 1], K + 1 <= 32) holds the
+// shared expert as expert X - 1 with weight bf16(sigmoid(logit)), as torch.sigmoid rounds it.
 extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
-                                          int N, int X, int K) {
+                                          int N, int X, int K, int shared) {
     pdl_enter();
+    const int ld = X;                                          // logits per row
+    const int stride = K + (shared ? 1 : 0);                   // outputs per row
+    if (shared) --X;
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= N) return;                                      // uniform per warp
     const float NEG_INF = moe_neg_inf();
-    const long long base = (long long)row * X;
+    const long long base = (long long)row * ld;
     float p[ROUTE_MAXJ];
     float m = NEG_INF;
 #pragma unroll
@@ -87,8 +93,13 @@ extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, con
     }
     const float total = warp_sum(lane < K ? myv : 0.f);
     if (lane < K) {
-        weights_out[(long long)row * K + lane] = f32_to_bf16(__fdiv_rn(myv, total));
-        ids_out[(long long)row * K + lane] = myi;
+        weights_out[(long long)row * stride + lane] = f32_to_bf16(__fdiv_rn(myv, total));
+        ids_out[(long long)row * stride + lane] = myi;
+    } else if (shared && lane == K) {
+        const float g = logits_f32 ? reinterpret_cast<const float*>(logits)[base + X]
+                                   : bf16_to_f32(reinterpret_cast<const bf16_t*>(logits)[base + X]);
+        weights_out[(long long)row * stride + K] = f32_to_bf16(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-g))));
+        ids_out[(long long)row * stride + K] = X;
     }
 }
 
