@@ -20,6 +20,12 @@ kernel wrote and before it writes anything; what it does before that may only to
 of the step writes (weights). The decode GEMV uses this to start streaming its weights under the
 previous kernel's tail; stream capture turns the attribute into a programmatic graph edge. Off with
 TANDEM_PDL=0, and below sm_90 (where the launch is the ordinary one).
+
+Which pdl=True launches are dependent ones (TANDEM_PDL, read once per process; `pdl_reset()` re-reads):
+unset or `gemv` (the default) the decode GEMV kernels only; `all` every registered kernel (norms,
+embedding, SwiGLU, attention, GDN, MoE, the mailbox exchange: faster by 1-4% in docs/perf.md, but not
+yet the default: its first GPU runs left a MoE model test failure unexplained); `0` none. The others
+launch the ordinary way, where their pdl_wait() returns at once.
 """
 
 from __future__ import annotations
@@ -127,7 +133,7 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
         raise KernelError(f"{getattr(fn, 'name', fn)!r} is not a registered dependent kernel (PDL_KERNELS): "
                           "it must call pdl_wait() before touching what earlier kernels wrote")
     import cupy
-    if pdl and pdl_enabled(device):
+    if pdl and pdl_enabled(device) and pdl_scope_allows(getattr(fn, "name", "")):
         grid3, block3 = (grid + (1, 1))[:3], (block + (1, 1))[:3]
         with cupy.cuda.Device(device):
             func = fn.kernel if hasattr(fn, "kernel") else fn          # RawKernel -> its Function on `device`
@@ -157,6 +163,26 @@ PDL_KERNELS = frozenset({
 PDL_WAIT_FIRST = ("gemv_",)                          # may start loads (weights only) before pdl_wait
 # bench.cu's probe (tests/test_cuda_launch.py) writes a flag before its wait on purpose
 PDL_PROBES = frozenset({"pdl_probe_secondary"})
+
+
+PDL_DEFAULT = ("gemv_",) + tuple(PDL_PROBES)         # dependent launches under the default TANDEM_PDL
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_all() -> bool:
+    return os.environ.get("TANDEM_PDL", "").strip().lower() == "all"
+
+
+def pdl_scope_allows(name: str) -> bool:
+    """Whether a pdl=True launch of kernel `name` is a dependent launch under TANDEM_PDL (module
+    docstring; the device's capability is pdl_enabled's question)."""
+    return _pdl_all() or name.startswith(PDL_DEFAULT)
+
+
+def pdl_reset() -> None:
+    """Re-read TANDEM_PDL (benchmarks that compare settings in one process)."""
+    _pdl_capable.cache_clear()
+    _pdl_all.cache_clear()
 
 
 def is_pdl_kernel(name: str) -> bool:

@@ -161,3 +161,25 @@ def test_launch_refuses_unregistered_dependents():
     assert not L.is_pdl_kernel("dequant_bf16") and not L.is_pdl_kernel("prefill_attn_split_d256")
     with pytest.raises(L.KernelError, match="not a registered dependent kernel"):
         L.launch(Fn(), (1,), (32,), (), device=0, pdl=True)
+
+
+@pytest.mark.parametrize("value,gemv,norm,exchange", [(None, True, False, False), ("gemv", True, False, False),
+                                                      ("1", True, False, False), ("all", True, True, True),
+                                                      ("ALL", True, True, True)])
+def test_pdl_scope(monkeypatch, value, gemv, norm, exchange):
+    """TANDEM_PDL picks which registered kernels a pdl=True launch makes dependent: the GEMV kernels
+    (and the test probe) by default, every registered kernel under `all`."""
+    if value is None:
+        monkeypatch.delenv("TANDEM_PDL", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_PDL", value)
+    L.pdl_reset()
+    try:
+        assert L.pdl_scope_allows("gemv_nvfp4_tc") is gemv
+        assert L.pdl_scope_allows("pdl_probe_secondary")
+        assert L.pdl_scope_allows("add_rms_norm_bf16_v8") is norm
+        assert L.pdl_scope_allows("mailbox_lean_w2") is exchange
+        assert all(L.is_pdl_kernel(n) for n in ("gemv_nvfp4_tc", "add_rms_norm_bf16_v8", "mailbox_lean_w2"))
+    finally:
+        monkeypatch.undo()
+        L.pdl_reset()

@@ -29,10 +29,10 @@ t<threads per block> d<first-poll delay in ns, lean only>, e.g. `lean8`, `lean8t
 TANDEM_MAILBOX_VARIANT selects one for every CudaMailbox of a process (TANDEM_MAILBOX_FLAGS=<int> still
 sets the flags alone); `CudaMailbox(..., variant=...)` and `mb.variant = ...` override it.
 
-Every exchange is a programmatic dependent launch on sm_90+ (kernels/launch.py; TANDEM_PDL=0 turns it
-off): it may be scheduled while the kernel that produced its input is finishing, waits for it at entry,
-and lets the kernel after it be scheduled at once, so in a decode graph the next norm and GEMV launch
-(and the GEMV's weight loads start) while the exchange waits for its peers.
+Under TANDEM_PDL=all every exchange is a programmatic dependent launch on sm_90+ (kernels/launch.py): it
+may be scheduled while the kernel that produced its input is finishing and waits for it at entry, and
+the norm and GEMV after it launch (the GEMV's weight loads start) while it waits for its peers; the
+measured gain is in docs/perf.md (seventh session).
 """
 
 from __future__ import annotations

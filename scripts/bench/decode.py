@@ -138,7 +138,7 @@ def environment(env: dict[str, str]):
     from kernels import launch
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    launch._pdl_capable.cache_clear()
+    launch.pdl_reset()
     try:
         yield
     finally:
@@ -147,7 +147,7 @@ def environment(env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        launch._pdl_capable.cache_clear()
+        launch.pdl_reset()
 
 
 def time_decode(model, state, C: int, context: int, steps: int) -> float:
