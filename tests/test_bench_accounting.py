@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
-from ranks.model_cuda import _fuse_gate_up  # noqa: E402
+from ranks.model_cuda import _fold_shared_experts, _fuse_gate_up, _fuse_projections  # noqa: E402
 from ranks.random_checkpoint import spec_for  # noqa: E402
 from ranks.weights import expected_shapes  # noqa: E402
 
@@ -29,4 +29,9 @@ def test_linear_params_count_fused_gate_up_once():
         assert decode.linear_params(w) == want
         _fuse_gate_up(w)                                  # gate / up become views of gate|up
         assert any(k.endswith("mlp.gate_up_proj.weight") for k in w) or spec.is_moe
+        assert decode.linear_params(w) == want, name
+        _fuse_projections(w)                              # q|k|v, GDN qkv|z, a|b: the parts become views
+        assert decode.linear_params(w) == want, name
+        _fold_shared_experts(w)                           # the shared expert: views of the expert stacks
+        assert any(k.endswith("mlp.gate_shared.weight") for k in w) == spec.is_moe
         assert decode.linear_params(w) == want, name

@@ -121,14 +121,26 @@ def linear_params(weights: dict) -> int:
     counted again. (Before 2026-11-30's sixth session they were, which overstated every prefill
     "of matmul rate" by 1.47x on the 27B; docs/perf.md.)"""
     held = {id(v) for v in weights.values() if isinstance(v, torch.Tensor)}
-    total = 0
+    total, in_stacks = 0, {}
     for k, v in weights.items():
         if not isinstance(v, torch.Tensor) or v.dim() != 2 or k.startswith("mtp.") or "embed" in k \
                 or k == "lm_head.weight":
             continue
-        if v._base is not None and id(v._base) in held:    # a view of a weight counted on its own
+        if v._base is not None and id(v._base) in held:
+            if v._base.dim() == 2:                     # a view of a 2-D weight counted on its own
+                continue
+            # a 2-D view of a 3-D expert stack (the folded shared expert, and views of that view):
+            # count the elements it covers once
+            in_stacks.setdefault(id(v._base), []).append((v.storage_offset(), v.storage_offset() + v.numel()))
             continue
         total += v.numel()
+    for spans in in_stacks.values():
+        end = None
+        for lo, hi in sorted(spans):
+            lo = lo if end is None else max(lo, end)
+            if hi > lo:
+                total += hi - lo
+            end = hi if end is None else max(end, hi)
     return total
 
 
