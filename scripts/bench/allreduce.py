@@ -11,7 +11,10 @@ own medians; the table shows both ranks, GB/s of payload (bf16 bytes per exchang
 ratio of each transport's time to NCCL's. --mailbox-variants times other mailbox kernel variants too
 (transport/mailbox_cuda.py: classic, lean16, lean8, plus fields f<flags> b<grid cap> t<threads per block>
 d<first-poll delay ns>), each in its own graph on the same mailbox, in the order given, once per size;
-the "mailbox" column is the default variant (or TANDEM_MAILBOX_VARIANT). A benchmark, not a test.
+the "mailbox" column is the default variant (or TANDEM_MAILBOX_VARIANT). After its timing, each
+transport, variant and size runs one exchange of known inputs whose result is checked (bit for bit for
+the mailbox and the staged copies, within 1% for NCCL); a wrong one is listed and the exit status is 3.
+A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def _eager_us(torch, fn, x, per_graph: int, replays: int) -> list[float]:
     return out
 
 
+def _check(torch, fn, size: int, rank: int, dev: str, exact: bool) -> str:
+    """One eager exchange of known inputs (both ranks draw both inputs from one seed): 'exact' when the
+    result is bit for bit the float32 sum in rank order rounded once to bf16 (what the mailbox and the
+    staged copies promise), 'close' when within 1% (NCCL makes no such promise), else 'WRONG (...)'."""
+    g = torch.Generator().manual_seed(size)
+    xs = [torch.randn(size // 2, generator=g).to(torch.bfloat16) for _ in range(2)]
+    want = (xs[0].float() + xs[1].float()).to(torch.bfloat16)
+    got = fn(xs[rank].to(dev)).cpu()
+    if torch.equal(got, want):
+        return "exact"
+    err = float((got.float() - want.float()).abs().max())
+    if not exact and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+        return "close"
+    return f"WRONG (max error {err:.3g}, {int((got != want).sum())} of {got.numel()} elements differ)"
+
+
 def _variants(text: str) -> list[tuple[str, dict]]:
     """'lean8d300,b8' -> [('lean8d300', all fields), ('b8', all fields)]: fields a variant does not set keep
     the default variant's (transport/mailbox_cuda.py make_variant; a name sets them all)."""
@@ -122,6 +141,7 @@ def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) ->
                 else:                                  # ~100x slower per exchange: fewer of them
                     us = _eager_us(torch, fn, x, max(1, args.per_graph // 10), max(3, args.replays // 5))
                 row[name] = statistics.median(us)
+                row[name + ".check"] = _check(torch, fn, size, rank, dev, exact=name != "nccl")
             mb.variant = default
             mb.synchronize()
             res["rows"].append(row)
@@ -219,12 +239,25 @@ def main() -> int:
             row["mailbox_variants"] = {v: max(r0[f"mailbox_{v}"], r1[f"mailbox_{v}"]) for v in names}
             print(f"{row['bytes']:>8} | {row['mailbox']['us']:>{w}.2f} "
                   + " ".join(f"{row['mailbox_variants'][v]:>{w}.2f}" for v in names))
+    checks = {}
+    for r, res in out.items():
+        for row in res["rows"]:
+            for k, v in row.items():
+                if k.endswith(".check"):
+                    checks.setdefault(v, []).append(f"{k[:-6]} {row['bytes']} B rank {r}")
+    wrong = {k: v for k, v in checks.items() if k.startswith("WRONG")}
+    print("result check (one exchange of known inputs per transport, variant and size, after its timing): "
+          + ", ".join(f"{len(v)} {k}" for k, v in sorted(checks.items()) if not k.startswith("WRONG")))
+    for k, v in wrong.items():
+        print(f"  {k}: {'; '.join(v)}")
+    for row, r0, r1 in zip(rows, out[0]["rows"], out[1]["rows"]):
+        row["checks"] = {k[:-6]: [r0[k], r1[k]] for k in r0 if k.endswith(".check")}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), per_graph=args.per_graph, replays=args.replays,
                            variant=out[0]["variant"], probe_us=[out[0]["probe_us"], out[1]["probe_us"]],
                            rows=rows), f, indent=1)
-    return 0
+    return 3 if wrong else 0
 
 
 if __name__ == "__main__":
