@@ -372,7 +372,7 @@ def test_launch_arguments_match_the_kernel_parameters(variant, segment):
     """What _exchange passes (count and width of every argument) is what the kernel takes, and the kernel
     exists: a mismatch would hand the kernel garbage timeouts or delays on its first GPU run."""
     import torch
-    from kernels.launch import CUDA_DIR
+    from kernels.launch import CUDA_DIR, is_pdl_kernel
     src = (CUDA_DIR / "exchange.cu").read_text()
     v = make_variant(variant)
     macro, fn = ("MB_LEAN_KERNEL", "mailbox_lean_w") if v.lean else ("MB_KERNEL", "mailbox_exchange_f")
@@ -385,11 +385,12 @@ def test_launch_arguments_match_the_kernel_parameters(variant, segment):
     mb._ptr, mb._timeout_ns, mb._variant = 1 << 40, np.uint64(30 * 10**9), v
     mb.state = torch.zeros(2, dtype=torch.int32)
     mb._kernel = lambda source, name, device: (source, name)
-    mb._launch = lambda fn, grid, block, args, device: calls.append((fn, grid, block, args))
+    mb._launch = lambda fn, grid, block, args, device, pdl: calls.append((fn, grid, block, args, pdl))
     x = torch.zeros(5120, dtype=torch.bfloat16)
     mb._exchange(x, 0, 5120, x, 0, gather=False, out_stride=0)
-    (fn_got, grid, block, args), = calls
+    (fn_got, grid, block, args, pdl), = calls
     assert fn_got == ("exchange", v.kernel)
+    assert pdl and is_pdl_kernel(v.kernel)                # a registered dependent kernel (kernels/launch.py)
     assert (grid[0], block[0]) == launch_shape(v, 2560, 132)
     width = {"const void*": 8, "void*": 8, "u64_t*": 8, "unsigned*": 8, "int": 4, "long long": 8, "u64_t": 8}
     assert len(args) == len(params), (params, args)
