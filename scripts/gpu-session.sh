@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One lent GPU session's worth of checks, in parts that each fit a 10-minute command:
 #
-#   scripts/gpu-session.sh tests-a OUT   the GPU test suite (not slow) without the model, spec-round and tp 2
-#                                        modules, log in OUT/tests-a/ (~400 s on an H200 pair)
-#   scripts/gpu-session.sh tests-b OUT   those three modules (two GPUs for tp 2), log in OUT/tests-b/
+#   scripts/gpu-session.sh tests-a OUT   the GPU test suite (not slow) without the model, spec-round, tp 2 and
+#                                        mailbox modules, log in OUT/tests-a/ (~90 s on one H200)
+#   scripts/gpu-session.sh tests-b OUT   test_cuda_model.py's teacher-forced cases (one GPU), OUT/tests-b/
+#   scripts/gpu-session.sh tests-b2 OUT  the rest of test_cuda_model.py (one GPU), OUT/tests-b2/
+#   scripts/gpu-session.sh tests-c OUT   spec-round, tp 2 and mailbox modules (two GPUs), OUT/tests-c/
+#                                        (every test part: at most 150 s per test, pytest-timeout)
 #   scripts/gpu-session.sh decode OUT    one GPU: 27B decode (bf16, fp8, nvfp4) + prefill, 35B-A3B decode,
 #                                        the decode-step profile, the quantised GEMV variants, speculation on the demo model
 #   scripts/gpu-session.sh prefill OUT   one GPU: 27B prefill of 8k and 64k prompts, 35B-A3B prefill of 8k, an
@@ -17,19 +20,26 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|decode|prefill|context|tp OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
 case "$PART" in
-  tests-a|tests-b)
-    # the suite in two halves (~400 s and ~300 s on an H200 pair; the whole, ~690 s, no longer fits one command):
-    # b = the model, speculation-round and tp 2 modules, a = every other module with gpu tests
-    HEAVY="tests/test_cuda_model.py tests/test_cuda_spec_round.py tests/test_cuda_tp2.py"
-    if [ "$PART" = tests-b ]; then FILES=$HEAVY
-    else FILES=$(grep -l "mark.gpu\|@gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $HEAVY)"); fi
-    timeout 560 scripts/gpu-tests.sh "$OUT/$PART" $FILES -m "gpu and not slow" --tb=short > "$OUT/$PART.txt" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$PART.txt" | cut -c1-200 | tail -25 ;;
+  tests-a|tests-b|tests-b2|tests-c)
+    # the suite in four parts that each fit a command (test_cuda_model.py alone took 330-440 s for 12-31
+    # of its 48 tests on the seventh session's two-GPU host)
+    MODEL=tests/test_cuda_model.py
+    HEAVY="$MODEL tests/test_cuda_spec_round.py tests/test_cuda_tp2.py tests/test_cuda_mailbox.py"
+    SEL=()
+    case "$PART" in
+      tests-a)  FILES=$(grep -l "mark.gpu\|@gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $HEAVY)") ;;
+      tests-b)  FILES=$MODEL; SEL=(-k "teacher_forced") ;;
+      tests-b2) FILES=$MODEL; SEL=(-k "not teacher_forced") ;;
+      tests-c)  FILES="tests/test_cuda_spec_round.py tests/test_cuda_tp2.py tests/test_cuda_mailbox.py" ;;
+    esac
+    timeout 560 scripts/gpu-tests.sh "$OUT/$PART" $FILES -m "gpu and not slow" "${SEL[@]}" --tb=short \
+        --timeout=150 --durations=15 > "$OUT/$PART.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/$PART.txt" | cut -c1-200 | tail -25 ;;
   decode)
     timeout 170 python $B/decode.py --model 27b --weights bf16 fp8 nvfp4 --concurrency 1 4 8 16 32 \
         --prefill 8192 --steps 10 --out "$OUT/decode-27b.json" > "$OUT/decode-27b.txt" 2>&1
@@ -64,5 +74,5 @@ case "$PART" in
     timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
         --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
-  *) echo "unknown part $PART (tests-a, tests-b, decode, prefill, context, tp)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp)" >&2; exit 2 ;;
 esac
