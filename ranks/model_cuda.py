@@ -580,14 +580,20 @@ def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight]) -> None:
         if router.dim() != 2 or sg.shape != (1, router.shape[1]):
             continue
         X, I = gu.shape[0], gu.shape[1] // 2
-        stack_gu = torch.cat([gu, sgu[None]], 0)
+        try:                                        # a second copy of one layer's experts, for a moment
+            stack_gu = torch.cat([gu, sgu[None]], 0)
+            stack_dn = torch.cat([dn, sdn[None]], 0)
+        except torch.OutOfMemoryError:
+            stack_gu = stack_dn = None
+            torch.cuda.empty_cache()
+            log.warning("%s: no memory to fold the shared expert into the experts; it stays apart", q)
+            continue
         del gu
         weights[q + "experts.gate_up_proj"] = stack_gu[:X]
         weights[q + "shared_expert.gate_up_proj.weight"] = stack_gu[X]
         if q + "shared_expert.gate_proj.weight" in weights:
             weights[q + "shared_expert.gate_proj.weight"] = stack_gu[X, :I]
             weights[q + "shared_expert.up_proj.weight"] = stack_gu[X, I:]
-        stack_dn = torch.cat([dn, sdn[None]], 0)
         del dn
         weights[q + "experts.down_proj"] = stack_dn[:X]
         weights[q + "shared_expert.down_proj.weight"] = stack_dn[X]

@@ -97,3 +97,28 @@ def test_a_quantised_shared_expert_stays_apart(seed):
     assert not isinstance(w[q + "shared_expert.gate_up_proj.weight"], torch.Tensor)
     mc._fold_shared_experts(w)
     assert not any(n.endswith(mc.SHARED_FOLD) for n in w)
+
+
+def test_no_memory_for_the_stacks_leaves_the_layer_apart(seed, monkeypatch, caplog):
+    """Folding needs a second copy of one layer's experts for a moment; where that allocation fails, the
+    layer keeps its shared expert apart (and loading goes on) instead of failing the load."""
+    spec, w = _weights(seed, shared_expert_intermediate_size=32)
+    orig = {k: v.clone() for k, v in w.items()}
+    real_cat, calls = torch.cat, []
+
+    def cat(ts, dim=0):
+        calls.append(len(ts))
+        if len(calls) == 2:                              # the first layer's down stack
+            raise torch.OutOfMemoryError("no memory")
+        return real_cat(ts, dim)
+
+    monkeypatch.setattr(torch, "cat", cat)
+    with caplog.at_level("WARNING"):
+        mc._fold_shared_experts(w)
+    monkeypatch.undo()
+    prefixes = _prefixes(w)
+    folded = [q for q in prefixes if q + mc.SHARED_FOLD[0] in w]
+    assert len(folded) == len(prefixes) - 1 and "stays apart" in caplog.text
+    (apart,) = set(prefixes) - set(folded)
+    for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj", "shared_expert.gate_up_proj.weight"):
+        assert torch.equal(w[apart + name], orig[apart + name])
