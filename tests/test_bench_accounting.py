@@ -35,3 +35,14 @@ def test_linear_params_count_fused_gate_up_once():
         _fold_shared_experts(w)                           # the shared expert: views of the expert stacks
         assert any(k.endswith("mlp.gate_shared.weight") for k in w) == spec.is_moe
         assert decode.linear_params(w) == want, name
+
+
+def test_linear_split_groups_are_the_models_fused_projections():
+    """linear.py --split times the groups the model fuses, with the checkpoint's part shapes."""
+    import linear
+    assert linear.split_groups("27b") == [
+        ("qkv_proj", [(12288, 5120), (1024, 5120), (1024, 5120)], True),
+        ("in_proj_qkvz", [(10240, 5120), (6144, 5120)], True),
+        ("in_proj_ab", [(48, 5120), (48, 5120)], False)]
+    assert [sizes for _, sizes, _ in linear.split_groups("35b-a3b")] == [
+        [(8192, 2048), (512, 2048), (512, 2048)], [(8192, 2048), (4096, 2048)], [(32, 2048), (32, 2048)]]

@@ -4,6 +4,7 @@ column count T and weight format, against the bytes each must read at the bandwi
 
     python scripts/bench/linear.py --out linear.json [--model 27b] [--columns 1 2 4 8 16]
     python scripts/bench/linear.py --variants --out variants.json [--model 27b] [--ks 1 2 4 8]
+    python scripts/bench/linear.py --split --out split.json [--model 27b] [--columns 1 4 8]
 
 For every (O, I) of the model's decode linear layers it times kernels.cuda_linear's GEMV (CUDA graphs
 of 20 calls, median of 10 replays) and torch.matmul for bf16, and reports the fraction of the
@@ -17,6 +18,10 @@ read bandwidth measured in the same run (kernels/cuda/bench.cu read_probe); --ks
 variant with the I-split forced. The JSON rows carry the kernel and ks each variant's route chose.
 The default variant, auto, takes per layer whichever of the two kernels kernels.cuda_linear.pipe_wins
 names (the rule was read off this table).
+
+--split times each fused projection group of the model (ranks/model_cuda.py FUSED_PROJECTIONS: q|k|v,
+GDN qkv|z, a|b; a|b in bf16 only, as the model keeps it) as the model runs it, one linear_split launch
+over the fused weight, against its parts as separate linears, both on the production routes.
 """
 
 from __future__ import annotations
@@ -121,6 +126,58 @@ def run_table(args, cl, bw) -> list[dict]:
     return rows
 
 
+def split_groups(model: str) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """The model's fused projection groups (ranks/model_cuda.py FUSED_PROJECTIONS) as (name, part shapes
+    [(O, I)], quantised on load), read off the checkpoint's shapes for the preset."""
+    from ranks.model_cuda import FUSED_PROJECTIONS
+    from ranks.random_checkpoint import spec_for
+    from ranks.weights import expected_shapes
+    spec = spec_for(model)
+    shapes = expected_shapes(spec, include_mtp=False)
+    layers = [spec.full_attention_layers[0], spec.linear_attention_layers[0]]
+    out = []
+    for fused, parts, quantised in FUSED_PROJECTIONS:
+        for layer in layers:
+            names = [f"layers.{layer}.{p}" for p in parts]
+            if all(n in shapes for n in names):
+                out.append((fused.split(".")[1], [tuple(shapes[n]) for n in names], quantised))
+                break
+    return out
+
+
+def run_split(args, cl, bw) -> list[dict]:
+    """Each fused projection group as the model runs it (one linear_split launch over the fused weight)
+    against its parts as separate linears (the unfused model), on the production routes."""
+    rows = []
+    for name, shapes, quantised in split_groups(args.model):
+        I, sizes = shapes[0][1], [o for o, _ in shapes]
+        O = sum(sizes)
+        w = (torch.randn(O, I, device="cuda") * I ** -0.5).to(torch.bfloat16)
+        for kind in [k for k in args.kinds if quantised or k == "bf16"]:
+            fused = make_weights(w, [kind])[kind]
+            bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            parts = [make_weights(w[a:b].contiguous(), [kind])[kind] for a, b in zip(bounds, bounds[1:])]
+            for T in args.columns:
+                x = torch.randn(T, I, device="cuda").to(torch.bfloat16)
+                outs = [torch.empty(T, n, dtype=torch.bfloat16, device="cuda") for n in sizes]
+                graph_time(lambda: cl.linear_split(x, fused, sizes, outs), reps=3)      # clocks up first
+                t_fused = graph_time(lambda: cl.linear_split(x, fused, sizes, outs))
+                t_parts = graph_time(lambda: [cl.linear(x, p, out=o) for p, o in zip(parts, outs)])
+                floor = cl.bytes_read(O, I, T, kind) / bw
+                rows.append(dict(group=name, sizes=sizes, I=I, T=T, kind=kind, fused_s=t_fused, parts_s=t_parts,
+                                 gain=t_parts / t_fused, of_floor_fused=floor / t_fused,
+                                 of_floor_parts=floor / t_parts))
+        w = None
+        torch.cuda.empty_cache()
+    print(f"{'group':14s} {'rows':>18s} {'T':>3s} {'kind':>8s} {'parts us':>9s} {'fused us':>9s} {'gain':>6s} "
+          f"{'floor %':>8s}")
+    for r in rows:
+        print(f"{r['group']:14s} {'|'.join(map(str, r['sizes'])):>18s} {r['T']:3d} {r['kind']:>8s} "
+              f"{r['parts_s'] * 1e6:9.1f} {r['fused_s'] * 1e6:9.1f} {r['gain']:5.2f}x "
+              f"{r['of_floor_parts']:4.0%}->{r['of_floor_fused']:.0%}")
+    return rows
+
+
 def run_variants(args, cl, bw) -> list[dict]:
     """Every kind under each GEMV variant (bf16's pipelined one is gemv_bf16_pipe), cuBLAS beside bf16."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -219,25 +276,32 @@ def main(argv=None) -> int:
                     help="also time the GEMV with every launch's I-split forced to each of these (1, 2, 4, 8)")
     ap.add_argument("--variants", action="store_true",
                     help="time the quantised GEMV under TANDEM_GEMV_VARIANT=tc and =pipelined side by side")
+    ap.add_argument("--split", action="store_true",
+                    help="time the fused projection groups (q|k|v, GDN qkv|z, a|b) as one linear_split launch "
+                         "against their parts as separate linears, on the production routes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.split and args.variants:
+        ap.error("--split and --variants are separate tables: choose one")
     if args.columns is None:
         args.columns = [1, 2, 4, 8] if args.variants else [1, 2, 4, 8, 16]
     from kernels import cuda_linear as cl
     # This script times the kernels: the bf16 GEMV at every T asked for, also where the production
     # table sends bf16 to cuBLAS (route() has no GEMV kernel to name beyond GEMV_COLUMNS["bf16"]).
-    cl.GEMV_COLUMNS = dict(cl.GEMV_COLUMNS, bf16=cl.MAX_GEMV_COLUMNS)
-    if max(args.columns) > cl.MAX_GEMV_COLUMNS and "bf16" in args.kinds:
+    if not args.split:
+        cl.GEMV_COLUMNS = dict(cl.GEMV_COLUMNS, bf16=cl.MAX_GEMV_COLUMNS)
+    if max(args.columns) > cl.MAX_GEMV_COLUMNS and "bf16" in args.kinds and not args.split:
         ap.error(f"the bf16 GEMV takes at most {cl.MAX_GEMV_COLUMNS} columns")
     sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
     from decode import measure_bandwidth
     bw = args.bandwidth or measure_bandwidth()["read_Bps"]
     print(f"read bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
-    rows = run_variants(args, cl, bw) if args.variants else run_table(args, cl, bw)
+    rows = (run_split if args.split else run_variants if args.variants else run_table)(args, cl, bw)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, rows=rows, device=torch.cuda.get_device_name(), model=args.model,
-                           columns=args.columns, kinds=args.kinds, variants=args.variants, ks=args.ks), f, indent=1)
+                           columns=args.columns, kinds=args.kinds, variants=args.variants, split=args.split,
+                           ks=args.ks), f, indent=1)
     return 0
 
 
