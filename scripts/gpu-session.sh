@@ -46,6 +46,7 @@ case "$PART" in
     timeout 170 python $B/decode.py --model 27b --weights bf16 fp8 nvfp4 --concurrency 1 4 8 16 32 \
         --prefill 8192 --steps 10 --out "$OUT/decode-27b.json" > "$OUT/decode-27b.txt" 2>&1
     timeout 110 python $B/decode.py --model 35b-a3b --weights bf16 --concurrency 1 8 --prefill --steps 10 \
+        --variant pdlall:TANDEM_PDL=all \
         --out "$OUT/decode-35b.json" > "$OUT/decode-35b.txt" 2>&1
     timeout 60 python $B/profile_step.py --model 27b --top 12 --out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
     timeout 90 python $B/linear.py --variants --kinds fp8_row fp8_block nvfp4 --columns 1 4 8 \
