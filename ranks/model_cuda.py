@@ -162,7 +162,7 @@ class CudaHybridModel(HybridModel):
         self.weight_format = weight_format
         if weight_format != "bf16":
             quantise_weights(weights, weight_format)
-        _fold_shared_experts(weights)
+        _fold_shared_experts(weights, spec.num_experts_per_tok)
         self.device_index = launch.device_of(emb)
         with torch.cuda.device(self.device_index):
             launch.warm_up(self.device_index)
@@ -558,13 +558,15 @@ def _fuse_gate_up(weights: dict[str, Tensor]) -> None:
 SHARED_FOLD = ("gate_shared.weight", "experts_shared.gate_up_proj", "experts_shared.down_proj")
 
 
-def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight]) -> None:
+def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight], top_k: int) -> None:
     """Where a MoE layer's shared expert has the routed experts' shapes and dtype (the 35B-A3B: both
     SwiGLU 512 wide, bf16), stack it after them as one more expert and its gate after the router's rows
     (SHARED_FOLD): a decode step then routes it as a (top_k + 1)-th expert with weight
     sigmoid(gate logit), which saves the shared expert's three GEMV launches and the gating's three
     elementwise ones per layer. The old names stay as views of the stacks (prefill and the reference
-    path use them); layers whose shapes differ, or whose shared expert is quantised, stay apart."""
+    path use them); layers whose shapes differ, or whose shared expert is quantised, stay apart, and so
+    do layers the decode kernels could not take with one expert more (top_k + 1 > 32 slots, more than
+    512 router columns, or the experts kernel's shared memory)."""
     for name in [n for n in weights if n.endswith("mlp.shared_expert_gate.weight")]:
         q = name[: -len("shared_expert_gate.weight")]
         if q + SHARED_FOLD[0] in weights:
@@ -580,6 +582,9 @@ def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight]) -> None:
         if router.dim() != 2 or sg.shape != (1, router.shape[1]):
             continue
         X, I = gu.shape[0], gu.shape[1] // 2
+        A = top_k + 1
+        if X + 1 > cm.ROUTE_MAX_X or A > cm.ROUTE_MAX_K or A * I * 2 + A * 8 > cm.SMEM_LIMIT:
+            continue
         try:                                        # a second copy of one layer's experts, for a moment
             stack_gu = torch.cat([gu, sgu[None]], 0)
             stack_dn = torch.cat([dn, sdn[None]], 0)

@@ -32,7 +32,7 @@ def test_linear_params_count_fused_gate_up_once():
         assert decode.linear_params(w) == want, name
         _fuse_projections(w)                              # q|k|v, GDN qkv|z, a|b: the parts become views
         assert decode.linear_params(w) == want, name
-        _fold_shared_experts(w)                           # the shared expert: views of the expert stacks
+        _fold_shared_experts(w, spec.num_experts_per_tok or 0)                           # the shared expert: views of the expert stacks
         assert any(k.endswith("mlp.gate_shared.weight") for k in w) == spec.is_moe
         assert decode.linear_params(w) == want, name
 

@@ -6,6 +6,7 @@ and quantised shared experts, stay apart; the weight bytes do not change."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +40,7 @@ def test_fold_stacks_the_shared_expert_after_the_routed_ones(seed):
     spec, w = _weights(seed, shared_expert_intermediate_size=32)
     orig = {k: v.clone() for k, v in w.items()}
     before = mc.weight_bytes(w)
-    mc._fold_shared_experts(w)
+    mc._fold_shared_experts(w, spec.num_experts_per_tok)
     prefixes = _prefixes(w)
     assert len(prefixes) == spec.num_layers + 1                      # every layer and the MTP layer
     for q in prefixes:
@@ -71,7 +72,7 @@ def test_the_folded_experts_compute_the_moe_block(seed):
     want = ref.moe_block(x, w[q + "gate.weight"], spec.num_experts_per_tok, w[q + "experts.gate_up_proj"],
                          w[q + "experts.down_proj"], want_shared, w[q + "shared_expert_gate.weight"])
     wb = {k: v.to(torch.bfloat16) for k, v in w.items()}                 # fold needs bf16; stack in float32
-    mc._fold_shared_experts(wb)
+    mc._fold_shared_experts(wb, spec.num_experts_per_tok)
     assert q + mc.SHARED_FOLD[0] in wb
     gates = torch.cat([w[q + "gate.weight"], w[q + "shared_expert_gate.weight"]])
     gu = torch.cat([w[q + "experts.gate_up_proj"], w[q + "shared_expert.gate_up_proj.weight"][None]])
@@ -86,7 +87,7 @@ def test_the_folded_experts_compute_the_moe_block(seed):
 def test_layers_whose_shapes_differ_stay_apart(seed):
     spec, w = _weights(seed)                                         # shared 48 wide, routed 32
     names = set(w)
-    mc._fold_shared_experts(w)
+    mc._fold_shared_experts(w, spec.num_experts_per_tok)
     assert set(w) == names
 
 
@@ -95,7 +96,7 @@ def test_a_quantised_shared_expert_stays_apart(seed):
     mc.quantise_weights(w, "fp8")
     q = _prefixes(w)[0]
     assert not isinstance(w[q + "shared_expert.gate_up_proj.weight"], torch.Tensor)
-    mc._fold_shared_experts(w)
+    mc._fold_shared_experts(w, spec.num_experts_per_tok)
     assert not any(n.endswith(mc.SHARED_FOLD) for n in w)
 
 
@@ -114,7 +115,7 @@ def test_no_memory_for_the_stacks_leaves_the_layer_apart(seed, monkeypatch, capl
 
     monkeypatch.setattr(torch, "cat", cat)
     with caplog.at_level("WARNING"):
-        mc._fold_shared_experts(w)
+        mc._fold_shared_experts(w, spec.num_experts_per_tok)
     monkeypatch.undo()
     prefixes = _prefixes(w)
     folded = [q for q in prefixes if q + mc.SHARED_FOLD[0] in w]
@@ -122,3 +123,17 @@ def test_no_memory_for_the_stacks_leaves_the_layer_apart(seed, monkeypatch, capl
     (apart,) = set(prefixes) - set(folded)
     for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj", "shared_expert.gate_up_proj.weight"):
         assert torch.equal(w[apart + name], orig[apart + name])
+
+
+@pytest.mark.parametrize("overrides", [dict(num_experts=512, num_experts_per_tok=2),     # 513 router columns
+                                       dict(num_experts=40, num_experts_per_tok=32),     # 33 slots
+                                       dict(moe_intermediate_size=8200, shared_expert_intermediate_size=8200,
+                                            num_experts=4)])                             # shared memory
+def test_layers_the_decode_kernels_cannot_take_stay_apart(seed, overrides):
+    """With the shared expert as one more expert the route kernel must still fit every router column
+    and slot, and the experts kernel its activations in shared memory; otherwise no fold."""
+    spec, w = _weights(seed, **{"shared_expert_intermediate_size": overrides.get("moe_intermediate_size", 32),
+                                **overrides})
+    names = set(w)
+    mc._fold_shared_experts(w, spec.num_experts_per_tok)
+    assert set(w) == names
