@@ -319,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((name, dict(kv.split("=", 1) for kv in pairs)))
 
     from kernels import cuda_linear
-    from ranks.model_cuda import CudaHybridModel, _fuse_gate_up, quantise_weights
+    from ranks.model_cuda import WEIGHT_FORMATS, CudaHybridModel, _fuse_gate_up
+    bad = [f for f in args.weights if f not in WEIGHT_FORMATS]
+    if bad:
+        raise SystemExit(f"--weights {' '.join(bad)}: choose from {', '.join(WEIGHT_FORMATS)}")
     if args.gemv_columns is not None:
         cuda_linear.GEMV_COLUMNS["bf16"] = args.gemv_columns
     torch.manual_seed(0)
@@ -345,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fmt in args.weights:
         weights = dict(base)
-        model = CudaHybridModel(spec, weights, weight_format="bf16", cuda_graphs=not args.no_graph)
-        if fmt != "bf16":
-            quantise_weights(model.w, fmt)
+        # the format goes to the model, which quantises before it folds the shared expert, as serving does
+        # (quantising afterwards left the folded stacks in bf16)
+        model = CudaHybridModel(spec, weights, weight_format=fmt, cuda_graphs=not args.no_graph)
         pages = max_c * ((args.context + 2 + PAGE_SIZE - 1) // PAGE_SIZE) + 4
         need_prefill = max(args.prefill or [0])
         pages = max(pages, (need_prefill + PAGE_SIZE - 1) // PAGE_SIZE + 1)
