@@ -207,10 +207,11 @@ def moe_route(logits: Tensor, top_k: int, weights_out: Tensor | None = None,
     N, X = logits.shape
     if X > ROUTE_MAX_X:
         raise KernelError(f"logits: {X} experts > {ROUTE_MAX_X}")
-    routed = X - 1 if shared else X
-    if not 1 <= top_k <= min(routed, ROUTE_MAX_K - (1 if shared else 0)):
-        raise KernelError(f"top_k: {top_k} not in [1, {min(routed, ROUTE_MAX_K - (1 if shared else 0))}]")
-    A = top_k + (1 if shared else 0)
+    extra = int(shared)                                  # the shared expert's slot
+    k_max = min(X - extra, ROUTE_MAX_K - extra)
+    if not 1 <= top_k <= k_max:
+        raise KernelError(f"top_k: {top_k} not in [1, {k_max}]")
+    A = top_k + extra
     if weights_out is None:
         weights_out = torch.empty(N, A, dtype=BF16, device=logits.device)
     if ids_out is None:

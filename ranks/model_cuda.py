@@ -593,13 +593,11 @@ def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight], top_k: int) -
             torch.cuda.empty_cache()
             log.warning("%s: no memory to fold the shared expert into the experts; it stays apart", q)
             continue
-        del gu
         weights[q + "experts.gate_up_proj"] = stack_gu[:X]
         weights[q + "shared_expert.gate_up_proj.weight"] = stack_gu[X]
         if q + "shared_expert.gate_proj.weight" in weights:
             weights[q + "shared_expert.gate_proj.weight"] = stack_gu[X, :I]
             weights[q + "shared_expert.up_proj.weight"] = stack_gu[X, I:]
-        del dn
         weights[q + "experts.down_proj"] = stack_dn[:X]
         weights[q + "shared_expert.down_proj.weight"] = stack_dn[X]
         gates = torch.cat([router, sg], 0)
@@ -608,7 +606,7 @@ def _fold_shared_experts(weights: dict[str, Tensor | QuantWeight], top_k: int) -
         weights[q + SHARED_FOLD[0]] = gates
         weights[q + SHARED_FOLD[1]] = stack_gu
         weights[q + SHARED_FOLD[2]] = stack_dn
-        del ts, sgu, sdn, sg, router
+        del ts, sg, router, gu, dn, sgu, sdn       # the old tensors, before empty_cache returns their memory
     torch.cuda.empty_cache()
 
 

@@ -134,13 +134,11 @@ def linear_params(weights: dict) -> int:
             in_stacks.setdefault(id(v._base), []).append((v.storage_offset(), v.storage_offset() + v.numel()))
             continue
         total += v.numel()
-    for spans in in_stacks.values():
-        end = None
+    for spans in in_stacks.values():                    # the union of each stack's spans
+        end = 0
         for lo, hi in sorted(spans):
-            lo = lo if end is None else max(lo, end)
-            if hi > lo:
-                total += hi - lo
-            end = hi if end is None else max(end, hi)
+            total += max(0, hi - max(lo, end))
+            end = max(end, hi)
     return total
 
 
