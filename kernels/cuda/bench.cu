@@ -48,3 +48,65 @@ extern "C" __global__ void pdl_probe_secondary(int* flag, int* result) {
     pdl_wait();
     if (blockIdx.x == 0 && threadIdx.x == 0) result[1] = 1;
 }
+
+// The latency floor of a mailbox exchange on this machine (scripts/bench/allreduce.py --floor): what
+// the exchange kernel cannot avoid, measured in the same run as the exchanges.
+//   floor_empty       a kernel that does nothing (a dependent launch under TANDEM_PDL=all): the cost of
+//                     one more kernel in a captured graph.
+//   floor_host_read   one thread, `iters` reads of a word of mapped pinned host memory, each address
+//                     depending on the value before (mask = 0, unknown to the compiler): the PCIe read
+//                     round trip. out[0] = ns for all of them.
+//   floor_ping_pong   two ranks, one thread each, over two words of a segment both map: rank 0 stores
+//                     v, rank 1 waits for v and stores v, rank 0 waits for it, v + 1, ...; out[0] = ns for
+//                     `iters` round trips after a first untimed one (each round trip = two one-way
+//                     latencies: store, visible in host memory, seen by the peer's poll). Values start
+//                     at `base` and grow by one per round trip (the caller gives every launch a fresh
+//                     range, larger than any value the segment holds). out[1] = round trips done (fewer
+//                     when timeout_ns ran out: the peer never came).
+__device__ __forceinline__ unsigned long long floor_ld(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void floor_st(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long floor_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void floor_empty() { pdl_enter(); }
+
+extern "C" __global__ void floor_host_read(const unsigned long long* host, int iters, unsigned long long mask,
+                                           unsigned long long* out) {
+    unsigned long long v = floor_ld(host);
+    const unsigned long long t0 = floor_ns();
+    for (int i = 0; i < iters; ++i) v = floor_ld(host + (v & mask));
+    out[0] = floor_ns() - t0;
+    out[1] = v;
+}
+
+extern "C" __global__ void floor_ping_pong(unsigned long long* words, int rank, int iters, unsigned long long base,
+                                           unsigned long long timeout_ns, unsigned long long* out) {
+    unsigned long long* mine = words + rank * 16;                 // the two words 128 bytes apart
+    const unsigned long long* peer = words + (1 - rank) * 16;
+    const unsigned long long deadline = floor_ns() + timeout_ns;
+    unsigned long long t0 = 0;
+    for (int i = 0; i <= iters; ++i) {
+        const unsigned long long v = base + i;
+        if (rank == 0) floor_st(mine, v);
+        while (floor_ld(peer) < v) {
+            if (floor_ns() > deadline) {
+                out[0] = floor_ns() - t0;
+                out[1] = i > 0 ? i - 1 : 0;
+                return;
+            }
+        }
+        if (rank != 0) floor_st(mine, v);
+        if (i == 0) t0 = floor_ns();
+    }
+    out[0] = floor_ns() - t0;
+    out[1] = iters;
+}

@@ -1,7 +1,7 @@
 """All-reduce between two GPUs: the GPU mailbox vs NCCL vs staged copies, bf16 payloads 4 KiB .. 1 MiB.
 
     python scripts/bench/allreduce.py [--sizes 4096,16384,...] [--per-graph 100] [--replays 50] [--out ar.json]
-        [--mailbox-variants lean8,lean16,lean8d300,...]
+        [--mailbox-variants lean8,lean16,lean8d300,...] [--no-floor]
 
 Two processes (GPUs 0 and 1). Mailbox and NCCL run inside a captured CUDA graph of --per-graph exchanges
 replayed --replays times (CUDA events around each replay; median per exchange); staged copies cannot be
@@ -14,6 +14,12 @@ d<first-poll delay ns>), each in its own graph on the same mailbox, in the order
 the "mailbox" column is the default variant (or TANDEM_MAILBOX_VARIANT). After its timing, each
 transport, variant and size runs one exchange of known inputs whose result is checked (bit for bit for
 the mailbox and the staged copies, within 1% for NCCL); a wrong one is listed and the exit status is 3.
+
+First, unless --no-floor, the latency floor of an exchange on this machine (kernels/cuda/bench.cu
+floor_*), per rank: an empty kernel in a captured graph (us per launch), one read of mapped pinned host
+memory (the PCIe read round trip), and the one-way latency of a store to host memory until the peer's
+poll sees it (a ping-pong of single words between the ranks, half a round trip). An exchange costs at
+least one launch plus one one-way latency; the table prints the exchanges against that sum.
 A benchmark, not a test.
 """
 
@@ -89,6 +95,37 @@ def _check(torch, fn, size: int, rank: int, dev: str, exact: bool) -> str:
     return f"WRONG (max error {err:.3g}, {int((got != want).sum())} of {got.numel()} elements differ)"
 
 
+def _floor(torch, mb, pong, rank: int, dev: str, per_graph: int, replays: int, iters: int = 2000) -> dict:
+    """The latency floor of an exchange (module docstring): medians of five runs each. Collective."""
+    import numpy as np
+    from kernels import launch as L
+    from transport.mailbox import HEADER_BYTES
+    empty = L.kernel("bench", "floor_empty", rank)
+    launch_us = statistics.median(_graph_us(
+        torch, lambda _x: L.launch(empty, (1,), (32,), (), device=rank, pdl=True), None, per_graph, replays))
+    out = torch.full((2,), -1, dtype=torch.int64, device=dev)
+    read = L.kernel("bench", "floor_host_read", rank)
+    reads = []
+    for _ in range(5):
+        L.launch(read, (1,), (1,), (np.uint64(mb._ptr), np.int32(iters), np.uint64(0), out), device=rank)
+        torch.cuda.synchronize()
+        reads.append(int(out[0]) / iters / 1e3)
+    ping = L.kernel("bench", "floor_ping_pong", rank)
+    words = np.uint64(pong._ptr + HEADER_BYTES)
+    one_way, base = [], 1
+    for _ in range(5):
+        mb.barrier()                                       # both ranks launch at about the same moment
+        L.launch(ping, (1,), (1,), (words, np.int32(rank), np.int32(iters), np.uint64(base), np.uint64(10**10), out),
+                 device=rank)
+        torch.cuda.synchronize()
+        ns, done = (int(v) for v in out.tolist())
+        if done != iters:
+            raise RuntimeError(f"rank {rank}: the ping-pong stopped after {done} of {iters} round trips (peer gone?)")
+        one_way.append(ns / iters / 2 / 1e3)
+        base += iters + 1
+    return {"launch_us": launch_us, "host_read_us": statistics.median(reads), "one_way_us": statistics.median(one_way)}
+
+
 def _variants(text: str) -> list[tuple[str, dict]]:
     """'lean8d300,b8' -> [('lean8d300', all fields), ('b8', all fields)]: fields a variant does not set keep
     the default variant's (transport/mailbox_cuda.py make_variant; a name sets them all)."""
@@ -107,7 +144,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) -> None:
+def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, pong_name: str, init: str) -> None:
     try:
         import torch
         from transport.copies import StagedCopies
@@ -123,6 +160,12 @@ def _rank(rank: int, q, args, mailbox_name: str, staged_name: str, init: str) ->
         res = {"probe_us": None, "rows": [], "variant": str(default)}
         mb.barrier()
         res["probe_us"] = mb.probe(iters=100)
+        if args.floor:
+            pong = CudaMailbox(pong_name, rank, device=rank, timeout_s=60.0)     # its words only, never exchanged
+            try:
+                res["floor"] = _floor(torch, mb, pong, rank, dev, args.per_graph, args.replays)
+            finally:
+                pong.close()
         for size in args.sizes:
             n = size // 2
             x = torch.randn(n, device=dev).to(torch.bfloat16)   # values grow over the repeats; timing ignores them
@@ -163,6 +206,8 @@ def main() -> int:
                     help="also time mailbox kernel variants, comma-separated: [classic|lean16|lean8] then "
                          "optional f<flags> b<grid cap in blocks> t<threads per block> d<first-poll delay ns>, "
                          "e.g. classic,lean16,lean8,lean8d300,lean8t128,f2b16")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="skip the latency floor (empty launch, host read, one-way latency)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -174,12 +219,12 @@ def main() -> int:
     from multiprocessing import resource_tracker
     from transport.mailbox import create_segment
     words = max(args.sizes) // 2
-    segs = [create_segment(2, words), create_segment(2, words)]
+    segs = [create_segment(2, words), create_segment(2, words), create_segment(2, 64)]
     tmp = tempfile.mkdtemp(prefix="tandem-ar-")
     init = f"file://{tmp}/init"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, q, args, segs[0].name, segs[1].name, init), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, q, args, segs[0].name, segs[1].name, segs[2].name, init), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
@@ -210,6 +255,13 @@ def main() -> int:
           f"(staged: eager); us per exchange, rank 0 / rank 1")
     print(f"mailbox (default variant {out[0]['variant']}) probe (4 KiB, graph): {out[0]['probe_us']:.2f} / "
           f"{out[1]['probe_us']:.2f} us")
+    floors = [out[r].get("floor") for r in (0, 1)]
+    if all(floors):
+        f0, f1 = floors
+        print(f"latency floor, rank 0 / rank 1: empty kernel in a graph {f0['launch_us']:.2f} / {f1['launch_us']:.2f} us, "
+              f"host read round trip {f0['host_read_us']:.2f} / {f1['host_read_us']:.2f} us, one-way (store -> peer "
+              f"sees it) {f0['one_way_us']:.2f} / {f1['one_way_us']:.2f} us; floor of an exchange (launch + one-way) "
+              f"{max(f['launch_us'] + f['one_way_us'] for f in floors):.2f} us")
     hdr = f"{'bytes':>8} | {'nccl us':>13} | {'mailbox us':>13} {'GB/s':>6} {'x nccl':>6} | " \
           f"{'staged us':>15} {'GB/s':>6} {'x nccl':>6}"
     print(hdr)
@@ -256,6 +308,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), per_graph=args.per_graph, replays=args.replays,
                            variant=out[0]["variant"], probe_us=[out[0]["probe_us"], out[1]["probe_us"]],
+                           floor=[out[0].get("floor"), out[1].get("floor")],
                            rows=rows), f, indent=1)
     return 3 if wrong else 0
 
