@@ -10,8 +10,8 @@
 * Wrap: exchanges across the 32-bit epoch wrap stay exact.
 * Hang: a rank killed mid-exchange makes the other's kernel return within its bound with the hang word
   set to 1 + its rank, and the Python side raises MailboxHang.
-* Kernel variants (transport/mailbox_cuda.py Variant): every GPU test runs for the default (classic) kernel
-  and the lean kernels (lean16, lean8; small grids and blocks so that threads own many units and several
+* Kernel variants (transport/mailbox_cuda.py Variant): every GPU test runs for the default kernel (lean16),
+  the classic one and the lean kernels (lean16, lean8; small grids and blocks so that threads own many units and several
   rounds; a first-poll delay); the graph test also switches variants between the exchanges of one graph.
 * CPU-only: epoch arithmetic, piece planning, argument checks, variant parsing and the launch arguments
   against the kernels' parameter lists run without a GPU (no `gpu` mark; the GPU tests carry it one by
@@ -42,10 +42,10 @@ SIZES = [1, 7, 8, 1000, 5120, 20480, 65536, 524288]
 JOIN_S = 300
 # Kernel variants under test (None: the default). b/t make threads own many units (several rounds per
 # thread, one warp per block); d adds the lean kernel's first-poll delay.
-EXACT_VARIANTS = [None, "lean16", "lean8", "lean8b2t64", "lean16b1t32d300"]
-GRAPH_VARIANTS = [None, "lean16", "lean8", "lean8d400", "mix"]
+EXACT_VARIANTS = [None, "classic", "lean8", "lean8b2t64", "lean16b1t32d300"]       # None: lean16
+GRAPH_VARIANTS = [None, "classic", "lean8", "lean8d400", "mix"]
 MIX = ["classic", "lean16", "lean8t128", "lean8d200", "f0"]   # "mix": one of these per exchange, in turn
-OTHER_VARIANTS = [None, "lean16", "lean8"]
+OTHER_VARIANTS = [None, "classic", "lean8"]
 
 
 def _vid(v) -> str:
@@ -320,7 +320,8 @@ def test_arguments_are_checked_before_the_gpu_is_touched(segment):
 
 
 def test_variants_parse_validate_and_name_their_kernels():
-    assert Variant().kernel == "mailbox_exchange_f2" and str(Variant()) == "classic"
+    assert Variant().kernel == "mailbox_lean_w2" and str(Variant()) == "lean16"          # the default
+    assert make_variant("classic").kernel == "mailbox_exchange_f2" and str(make_variant("classic")) == "classic"
     assert make_variant("lean16").kernel == "mailbox_lean_w2" and make_variant("lean16").words_per_thread == 2
     assert make_variant("lean8").kernel == "mailbox_lean_w1" and make_variant("lean8").words_per_thread == 1
     assert make_variant("f3").kernel == "mailbox_exchange_f3" and make_variant("f3b16").blocks == 16
@@ -334,7 +335,7 @@ def test_variants_parse_validate_and_name_their_kernels():
     assert make_variant("f0", v) == Variant(flags=0, threads=128)          # the inherited delay is lean-only
     with pytest.raises(ValueError):
         make_variant("f0d300", v)
-    for bad in ("", "x", "lean", "lean8x", "f2lean8", "f16", "f8", "t48", "t512", "t0", "lean8d100001", "d300"):
+    for bad in ("", "x", "lean", "lean8x", "f2lean8", "f16", "f8", "t48", "t512", "t0", "lean8d100001", "classicd300"):
         with pytest.raises(ValueError):
             make_variant(bad) if bad else parse_variant(bad)
     assert variant_from_env({}) == Variant()

@@ -21,9 +21,11 @@ epoch each).
 
 Kernel variants (`Variant`; all speak the same words and epochs and keep the same device state, so any
 variant may follow any other on one mailbox, but both ranks should use the same one): the classic kernel
-mailbox_exchange_f<flags & 3> (the default, flags 2) and the lean kernel mailbox_lean_w1 / _w2 (flag 4;
-flag 8 for one 8-byte word per thread instead of a 16-byte pair; kernels/cuda/exchange.cu says what it
-does differently). A variant is written as in scripts/bench/allreduce.py --mailbox-variants: an optional
+mailbox_exchange_f<flags & 3> (flags 2) and the lean kernel mailbox_lean_w1 / _w2 (flag 4; flag 8 for one
+8-byte word per thread instead of a 16-byte pair; kernels/cuda/exchange.cu says what it does
+differently). The default is lean16 (flags 4): faster than classic at every payload from 4 bytes to
+128 KiB on two H200s, by 0.4-0.9 us (docs/perf.md, eighth session); lean8 stalls for 0.3-1 ms per
+exchange from 40 KiB on and stays opt-in. A variant is written as in scripts/bench/allreduce.py --mailbox-variants: an optional
 name (classic = f2, lean16 = f4, lean8 = f12) followed by optional fields f<flags> b<grid cap in blocks>
 t<threads per block> d<first-poll delay in ns, lean only>, e.g. `lean8`, `lean8t128d300`, `f2b16`.
 TANDEM_MAILBOX_VARIANT selects one for every CudaMailbox of a process (TANDEM_MAILBOX_FLAGS=<int> still
@@ -57,12 +59,13 @@ PROBE_BYTES = 4096
 # polls the hang word (the other lanes rely on their own timeout). 2 was as fast as 0 or faster at every
 # payload on two H200s, and keeps thousands of waiting threads off one host word; the fence was slower
 # (docs/perf.md). TANDEM_MAILBOX_FLAGS / TANDEM_MAILBOX_VARIANT override (benchmarks).
-FLAGS = 2
+FLAGS = 2                            # the classic kernel's flags
 FLAG_FENCE, FLAG_HANG_LANE0 = 1, 2   # classic kernel only (the lean one never fences; its lane 0 polls the hang word)
 FLAG_LEAN = 4                        # the lean kernel (mailbox_lean_w2: 16-byte word pairs per thread)
 FLAG_LEAN_W1 = 8                     # with FLAG_LEAN: one 8-byte word per thread (mailbox_lean_w1)
 ALL_FLAGS = FLAG_FENCE | FLAG_HANG_LANE0 | FLAG_LEAN | FLAG_LEAN_W1
 VARIANT_NAMES = {"classic": FLAGS, "lean16": FLAG_LEAN, "lean8": FLAG_LEAN | FLAG_LEAN_W1}
+DEFAULT_FLAGS = FLAG_LEAN            # lean16 (module docstring)
 MAX_DELAY_NS = 100_000
 _DEFAULT_CLOCK_KHZ = 1_980_000       # H200 boost clock: first-poll delay ns -> cycles if the device does not say
 _CUDA_DEV_ATTR_CLOCK_RATE = 13       # cudaDevAttrClockRate (kHz)
@@ -73,7 +76,7 @@ _VARIANT_RE = re.compile(r"(?P<name>classic|lean16|lean8)?(?:f(?P<f>\d+))?(?:b(?
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """Which exchange kernel runs and how it is launched (see the module docstring)."""
-    flags: int = FLAGS
+    flags: int = DEFAULT_FLAGS
     blocks: int = 0                  # grid cap; 0: BLOCKS_PER_SM x SMs blocks of THREADS (in threads)
     threads: int = THREADS           # threads per block: a multiple of 32, at most THREADS
     delay_ns: int = 0                # lean kernel: spin this long after publishing before the first poll
