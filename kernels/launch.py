@@ -23,9 +23,10 @@ TANDEM_PDL=0, and below sm_90 (where the launch is the ordinary one).
 
 Which pdl=True launches are dependent ones (TANDEM_PDL, read once per process; `pdl_reset()` re-reads):
 unset or `gemv` (the default) the decode GEMV kernels only; `all` every registered kernel (norms,
-embedding, SwiGLU, attention, GDN, MoE, the mailbox exchange: faster by 1-4% in docs/perf.md, but not
-yet the default: its first GPU runs left a MoE model test failure unexplained); `0` none. The others
-launch the ordinary way, where their pdl_wait() returns at once.
+embedding, SwiGLU, attention, GDN, MoE, the mailbox exchange: bit-identical results, but no faster
+than the default for a one-GPU step, 3% slower on the 35B-A3B; it saves 0.3-0.7 us per mailbox
+exchange; docs/perf.md, eighth session); `0` none. The others launch the ordinary way, where their
+pdl_wait() returns at once.
 """
 
 from __future__ import annotations
