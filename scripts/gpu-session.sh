@@ -13,8 +13,9 @@
 #                                        8k prefill chunk's profile, the GDN rule's two forms per column count
 #   scripts/gpu-session.sh context OUT   one GPU: 27B bf16 decode at 4k, 8k, 16k and 32k context, the decode
 #                                        attention on tensor cores (default) and on the split kernel
-#   scripts/gpu-session.sh pdl OUT       two GPUs: TANDEM_PDL=all against none on the seventh session's failing
-#                                        tiny-moe seeds, then the bit-identity test of the two
+#   scripts/gpu-session.sh ncu OUT       one GPU: Nsight Compute on the decode GEMV of the 27B's widest and
+#                                        deepest layers (gate|up, down), bf16 / fp8 / nvfp4, T = 1 and 8, at the
+#                                        timing runs' clocks; the key metrics per kernel last
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #
@@ -22,7 +23,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|pdl OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -77,22 +78,14 @@ case "$PART" in
     timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
         --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
-  pdl)
-    # two GPUs: is TANDEM_PDL=all safe? The tiny-moe teacher-forced cases that failed under `all` in the
-    # seventh session, with the same seeds, under `all` (GPU 0) and with no dependent launch (GPU 1) at
-    # once; then the bit-identity test of `all` against none (docs/perf.md, seventh session)
-    for p in all 0; do
-      ( export CUDA_VISIBLE_DEVICES=$([ $p = all ] && echo 0 || echo 1) TANDEM_PDL=$p
-        for seed in 1245803589 795389788; do
-          TANDEM_TEST_SEED=$seed timeout 250 python -m pytest -q -rA -p no:cacheprovider -m gpu \
-              tests/test_cuda_model.py -k "teacher_forced_logits and tiny-moe" --timeout=150 --tb=long
-        done > "$OUT/pdl-$p.txt" 2>&1 ) &
-    done
-    wait
-    timeout 200 python -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_cuda_model.py \
-        -k dependent_launches --timeout=150 --tb=long > "$OUT/pdl-identity.txt" 2>&1
-    for f in pdl-all pdl-0 pdl-identity; do
-      echo "== $f"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error:" "$OUT/$f.txt" | cut -c1-200 | tail -12
-    done ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, pdl)" >&2; exit 2 ;;
+  ncu)
+    # ncu locks the SM clock to base unless told otherwise (1.36 GHz on an H200 against 1.98 in the
+    # benches: docs/perf.md, eighth session)
+    timeout 400 ncu --clock-control none --kernel-name regex:gemv_ --section SpeedOfLight --section SchedulerStats \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python $B/linear.py --once --layers gate_up down --kinds bf16 fp8_row nvfp4 --columns 1 8 \
+        > "$OUT/ncu.txt" 2>&1
+    grep -E "^(gate_up|down) |^  gemv_|Duration|DRAM Throughput|One or More Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Waves Per SM" \
+        "$OUT/ncu.txt" | cut -c1-150 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, ncu)" >&2; exit 2 ;;
 esac

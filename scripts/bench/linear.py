@@ -5,6 +5,11 @@ column count T and weight format, against the bytes each must read at the bandwi
     python scripts/bench/linear.py --out linear.json [--model 27b] [--columns 1 2 4 8 16]
     python scripts/bench/linear.py --variants --out variants.json [--model 27b] [--ks 1 2 4 8]
     python scripts/bench/linear.py --split --out split.json [--model 27b] [--columns 1 4 8]
+    ncu --clock-control none --kernel-name regex:gemv_ python scripts/bench/linear.py --once --layers gate_up down
+
+--layers keeps only the named layers (of SHAPES). --once runs every selected (layer, kind, T) GEMV once,
+eagerly and untimed, and prints the route each took: the launches a profiler such as Nsight Compute
+should see (one per combination, nothing else named gemv_; scripts/gpu-session.sh ncu).
 
 For every (O, I) of the model's decode linear layers it times kernels.cuda_linear's GEMV (CUDA graphs
 of 20 calls, median of 10 replays) and torch.matmul for bf16, and reports the fraction of the
@@ -264,6 +269,28 @@ def run_variants(args, cl, bw) -> list[dict]:
     return rows
 
 
+def run_once(args, cl) -> list[dict]:
+    """--once: one eager launch of every selected (layer, kind, T), for a profiler; no timing."""
+    rows = []
+    for name, O, I in SHAPES[args.model]:
+        w = (torch.randn(O, I, device="cuda") * I ** -0.5).to(torch.bfloat16)
+        weights = make_weights(w, args.kinds)
+        for T in args.columns:
+            x = torch.randn(T, I, device="cuda").to(torch.bfloat16)
+            out = torch.empty(T, O, dtype=torch.bfloat16, device="cuda")
+            for kind in args.kinds:
+                plan = cl.route(O, I, T, kind, torch.cuda.get_device_properties(0).multi_processor_count)
+                cl._gemv(x, weights[kind], out, None, swiglu=False)
+                torch.cuda.synchronize()
+                rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, kernel=plan.get("kernel", plan["path"]),
+                                 ks=plan.get("ks"), grid=plan.get("grid")))
+                print(f"{name:12s} T={T:2d} {kind:9s} {rows[-1]['kernel']} ks={rows[-1]['ks']} grid={rows[-1]['grid']}",
+                      flush=True)
+        weights = w = None
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="27b", choices=list(SHAPES))
@@ -279,8 +306,19 @@ def main(argv=None) -> int:
     ap.add_argument("--split", action="store_true",
                     help="time the fused projection groups (q|k|v, GDN qkv|z, a|b) as one linear_split launch "
                          "against their parts as separate linears, on the production routes")
+    ap.add_argument("--layers", nargs="+", default=None, help="only these layers of the model's SHAPES")
+    ap.add_argument("--once", action="store_true",
+                    help="run every selected GEMV once, untimed (for a profiler such as ncu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.layers:
+        known = [n for n, _, _ in SHAPES[args.model]]
+        unknown = [n for n in args.layers if n not in known]
+        if unknown:
+            ap.error(f"--layers: {', '.join(unknown)} not among {args.model}'s layers ({', '.join(known)})")
+        SHAPES[args.model] = [s for s in SHAPES[args.model] if s[0] in args.layers]
+    if args.once and (args.split or args.variants or args.ks):
+        ap.error("--once runs the production route only: no --split, --variants or --ks")
     if args.split and args.variants:
         ap.error("--split and --variants are separate tables: choose one")
     if args.columns is None:
@@ -292,6 +330,9 @@ def main(argv=None) -> int:
         cl.GEMV_COLUMNS = dict(cl.GEMV_COLUMNS, bf16=cl.MAX_GEMV_COLUMNS)
     if max(args.columns) > cl.MAX_GEMV_COLUMNS and "bf16" in args.kinds and not args.split:
         ap.error(f"the bf16 GEMV takes at most {cl.MAX_GEMV_COLUMNS} columns")
+    if args.once:
+        run_once(args, cl)
+        return 0
     sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
     from decode import measure_bandwidth
     bw = args.bandwidth or measure_bandwidth()["read_Bps"]
