@@ -9,8 +9,9 @@ token id) in torch integer ops (`keyed_uniforms`): computed on the device that h
 every device. Greedy is the same argmax
 without noise. Where the score of a token depends only on its own logit (greedy, plain temperature,
 penalties), each rank takes the argmax over its shard and the ranks exchange one (value, index)
-candidate per row; top-k / top-p / min-p need the whole distribution, so those rows gather the
-logits first. Ties go to the lower token id.
+candidate per row; all such rows of a step go through one batch of device operations (the noise of
+every row at once: `gumbel_rows`) and one copy to the host. top-k / top-p / min-p need the whole
+distribution, so those rows gather the logits first, one row at a time. Ties go to the lower token id.
 
 Penalties follow the common server semantics: repetition (divide positive logits, multiply
 negative ones) over prompt and output tokens; presence and frequency (subtract) over output tokens.
@@ -135,6 +136,29 @@ def _uniforms_torch(key: int, lo: int, hi: int, device: torch.device | str) -> T
     return (((h[:, 0] >> 5) * 67108864 + (h[:, 1] >> 6)).double() + 0.5) * 2.0 ** -53
 
 
+def _uniforms_torch_rows(keys: list[int], lo: int, hi: int, device: torch.device | str) -> Tensor:
+    """_uniforms_torch for several keys at once: [len(keys), hi - lo], row r the bits of keys[r] (the same
+    integer operations, broadcast over the rows)."""
+    k0 = torch.tensor([k & _M32 for k in keys], dtype=torch.int64, device=device)[:, None]
+    k1 = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=device)[:, None]
+    c = (torch.arange(2 * lo, 2 * hi, dtype=torch.int64, device=device) & _M32)[None, :]
+    h = _fmix32(_fmix32((_fmix32(c ^ k0) + k1) & _M32) ^ k0).view(len(keys), -1, 2)
+    return (((h[..., 0] >> 5) * 67108864 + (h[..., 1] >> 6)).double() + 0.5) * 2.0 ** -53
+
+
+def gumbel_rows(seeds: list[int], positions: list[int], lo: int, hi: int, device: torch.device | str = "cpu",
+                purpose: int = PURPOSE_SAMPLE) -> Tensor:
+    """[R, hi - lo] Gumbel noise, row r = gumbel_noise(seeds[r], positions[r], hi, device, purpose, lo=lo)
+    bit for bit, in one batch of device operations on a GPU (one pass of numpy per row on the CPU)."""
+    keys = [_key(s, p, purpose) for s, p in zip(seeds, positions)]
+    if torch.device(device).type == "cpu":
+        u = torch.stack([_uniforms_np(k, lo, hi) for k in keys]) if keys else torch.empty(0, hi - lo,
+                                                                                           dtype=torch.float64)
+    else:
+        u = _uniforms_torch_rows(keys, lo, hi, device)
+    return -torch.log(-torch.log(u.clamp_(1e-300, 1.0 - 1e-16)))
+
+
 def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu",
                  purpose: int = PURPOSE_SAMPLE, lo: int = 0) -> Tensor:
     """Gumbel(0, 1) noise for token ids lo .. vocab-1 (all of them by default), keyed by (seed,
@@ -209,18 +233,24 @@ def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int]
     S, n = logits.shape
     offset = rank * n
     tokens: list[int] = [0] * S
-    # 1) rows whose score is per-token: local candidate (value, global index), then one exchange
+    # 1) rows whose score is per-token: local candidate (value, global index), then one exchange.
+    #    All of them in one batch of device operations (penalties per row, where a row has them) and one
+    #    copy to the host, instead of a few launches and two host syncs per row.
     local = [i for i in range(S) if not samplers[i].needs_full_distribution]
     if local:
-        cand = torch.empty(len(local), 2, dtype=torch.float32)
+        x = logits[local].double()
         for j, i in enumerate(local):
-            s = samplers[i]
-            row = apply_penalties(logits[i].double(), s, offset)
-            if not s.greedy:
-                row = row / s.temperature + gumbel_noise(s.seed, positions[i], offset + n, row.device, lo=offset)
-            row = row.float()            # the exchange carries float32: decide on float32 at any tp
-            k = _argmax_lowest(row)
-            cand[j, 0], cand[j, 1] = row[k], offset + k
+            if samplers[i].has_penalties and samplers[i].seen:
+                x[j] = apply_penalties(x[j], samplers[i], offset)
+        hot = [j for j, i in enumerate(local) if not samplers[i].greedy]
+        if hot:
+            temps = torch.tensor([samplers[local[j]].temperature for j in hot], dtype=torch.float64, device=x.device)
+            noise = gumbel_rows([samplers[local[j]].seed for j in hot], [positions[local[j]] for j in hot],
+                                offset, offset + n, x.device)
+            x[hot] = x[hot] / temps[:, None] + noise
+        score = x.float()                # the exchange carries float32: decide on float32 at any tp
+        k = torch.argmax(score, dim=-1)  # the first maximum: ties to the lower id (a NaN counts as one)
+        cand = torch.stack([score.gather(-1, k[:, None])[:, 0], (k + offset).float()], dim=1).cpu()
         allc = gather(cand) if tp > 1 else cand[None]                 # [N, L, 2]
         for j, i in enumerate(local):
             vals, ids = allc[:, j, 0], allc[:, j, 1]

@@ -279,6 +279,63 @@ def test_keyed_uniforms_torch_path_equals_the_numpy_path(lo, hi, seed):
         assert torch.equal(_uniforms_torch(key, lo, hi, "cpu"), _uniforms_np(key, lo, hi))
 
 
+def test_gumbel_rows_equal_the_noise_of_each_row_alone(seed):
+    """The batched noise of sample_rows: row r is gumbel_noise(seeds[r], positions[r]) bit for bit, on
+    the numpy path (CPU tensors) and on the torch path a GPU takes (run here on the CPU)."""
+    from ranks.sampler import _key, _uniforms_np, _uniforms_torch_rows, gumbel_rows
+    rng = np.random.default_rng(seed)
+    seeds = [int(v) for v in rng.integers(0, 2**62, 5)]
+    positions = [int(v) for v in rng.integers(0, 100_000, 5)]
+    for lo, hi in [(0, 300), (4099, 8197)]:
+        want = torch.stack([gumbel_noise(s, p, hi, lo=lo) for s, p in zip(seeds, positions)])
+        assert torch.equal(gumbel_rows(seeds, positions, lo, hi), want)
+        keys = [_key(s, p, 0) for s, p in zip(seeds, positions)]
+        assert torch.equal(_uniforms_torch_rows(keys, lo, hi, "cpu"), torch.stack([_uniforms_np(k, lo, hi) for k in keys]))
+    assert gumbel_rows([], [], 0, 10).shape == (0, 10)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_batch_samples_every_row_as_the_per_row_formula(tp, seed):
+    """sample_rows takes the rows whose score is per token in one batch: each row's token must be the
+    one of its own formula, argmax(float32(penalised logits / T + Gumbel(seed, position))) with ties to
+    the lower id (greedy: no noise), computed here one row at a time. 48 rows of mixed samplers (greedy,
+    temperatures 0.3 .. 2.5, penalties, top-p rows that need the whole distribution in between), so a
+    row that took another row's temperature, key or penalties would change tokens."""
+    R = 48
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(R, V, generator=gen) * 2.0
+    rows[5, 10] = rows[5, 50] = float(rows[5].max()) + 1.0          # a greedy tie across shards: 10 wins
+    temps = [0.0, 0.3, 0.7, 1.3, 2.5, 0.0, 1.0, 0.9]
+    positions = [int(v) for v in np.random.default_rng(seed).integers(0, 2**20, R)]
+
+    def samplers():
+        out = []
+        for i in range(R):
+            kw = dict(temperature=temps[i % len(temps)], seed=seed + i)
+            if i % 8 == 7:
+                kw["top_p"] = 0.8                                  # needs the whole distribution
+            if i % 5 == 2:
+                kw.update(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, prompt_len=2)
+            s = SeqSampler(**kw)
+            s.observe([int(rows[i].argmax()), 5, 5, 40, 63], 0)
+            out.append(s)
+        return out
+
+    got = sample_tp(rows, samplers, positions, tp)
+    want = []
+    for i, s in enumerate(samplers()):
+        if s.needs_full_distribution:
+            want.append(got[0][i])                                   # another test's subject
+            continue
+        x = apply_penalties(rows[i].double(), s, 0)
+        if not s.greedy:
+            x = x / s.temperature + gumbel_noise(s.seed, positions[i], V)
+        x = x.float().numpy()
+        want.append(int(np.flatnonzero(x == x.max())[0]))
+    assert want[5] == 10
+    assert all(g == want for g in got), f"{got} != {want}"
+
+
 def test_fallback_statistics_are_right():
     """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
     for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),
