@@ -336,6 +336,36 @@ def test_a_batch_samples_every_row_as_the_per_row_formula(tp, seed):
     assert all(g == want for g in got), f"{got} != {want}"
 
 
+@pytest.mark.parametrize("offset", [0, 4096])
+def test_batched_candidates_equal_the_row_at_a_time_loop(offset, seed):
+    """local_candidates' two forms (one batch of tensor operations, a GPU's default; a loop over rows,
+    the CPU's) give the same (score, index) bits for mixed rows: greedy, five temperatures, penalties,
+    all rows hot and some; and a NaN row comes out as NaN at the same index from both."""
+    from ranks.sampler import local_candidates
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(12, 300, generator=gen) * 2.0).to(torch.bfloat16)
+    temps = [0.0, 0.3, 0.7, 1.3, 2.5, 1.0]
+    samplers = []
+    for i in range(12):
+        s = SeqSampler(temperature=temps[i % 6], seed=seed + i, repetition_penalty=1.2 if i % 4 == 1 else 1.0,
+                       presence_penalty=0.4 if i % 4 == 1 else 0.0)
+        s.observe([offset + 3, offset + 3, offset + 250, 7], 0)
+        samplers.append(s)
+    positions = list(range(50, 62))
+    for rows in (list(range(12)), [1, 2, 3, 4, 5, 7, 8, 9, 10, 11], [0, 5, 6]):   # mixed, all hot, mixed
+        sub = [samplers[i] for i in rows]
+        pos = [positions[i] for i in rows]
+        a = local_candidates(logits, sub, pos, rows, offset, batched=True)
+        b = local_candidates(logits, sub, pos, rows, offset, batched=False)
+        assert torch.equal(a, b), (rows, a, b)
+        assert a[:, 1].min() >= offset and a[:, 1].max() < offset + 300
+    bad = logits.clone()
+    bad[2, 77] = float("nan")
+    for batched in (True, False):
+        c = local_candidates(bad, samplers[:3], positions[:3], [0, 1, 2], offset, batched=batched)
+        assert torch.isnan(c[2, 0]) and int(c[2, 1]) == offset + 77 and not torch.isnan(c[:2, 0]).any()
+
+
 def test_fallback_statistics_are_right():
     """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
     for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),
