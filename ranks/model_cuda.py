@@ -707,3 +707,53 @@ def weight_bytes(weights: dict[str, Tensor | QuantWeight]) -> int:
         else:
             total += sum(q.nbytes() for q in items)
     return total
+
+
+def _nbytes(t: Tensor | QuantWeight) -> int:
+    return t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+
+
+def _ptr(t: Tensor | QuantWeight) -> int:
+    return (t.data if isinstance(t, QuantWeight) else t).data_ptr()
+
+
+def step_byte_parts(model, spec: ModelSpec, kv_dtype: str = "bf16") -> dict[str, int]:
+    """What one decode step of this model (or tp shard) reads, in parts that the concurrency C and the
+    context scale (step_bytes_from): `fixed` every weight read once per step whatever C (the MTP layer
+    and the embedding table excluded; a tied table counts whole, as the head reads it), `embed_row`
+    per sequence (one embedding row gathered), `experts` the routed expert stacks of all layers, of
+    which a step reads the share min(X, C * top_k) / X, `kv_token` K and V of one cached token over
+    the full-attention layers (bf16, or int8 codes with a float32 scale per 64 channels), and
+    `gdn_seq` one sequence's GDN state, read and written. Works on real tensors (weight_bytes counts
+    shared storages once)."""
+    w = model.w
+    emb = w["embed_tokens.weight"]
+    fixed = weight_bytes({k: v for k, v in w.items() if not k.startswith("mtp.")}) - _nbytes(emb)
+    if _ptr(model.head) == _ptr(emb):                    # a tied table is read whole as the head
+        fixed += _nbytes(emb)
+    experts, X, A = 0, 0, 0
+    if spec.is_moe:                                      # the stacks (with the shared expert folded in,
+        X, A = spec.num_experts, spec.num_experts_per_tok    # its slice stays in `fixed`: always read)
+        for i in range(spec.num_layers):
+            for n in ("experts.gate_up_proj", "experts.down_proj"):
+                t = w.get(f"layers.{i}.mlp.{n}")
+                experts += _nbytes(t) if t is not None else 0
+        fixed -= experts
+    n_attn = sum(1 for k in spec.layer_types if k == FULL_ATTENTION)
+    n_gdn = spec.num_layers - n_attn
+    per = spec.head_dim * (1 + 4 / 64 if kv_dtype == "int8" else 2)
+    return dict(fixed=int(fixed), embed_row=int(emb.shape[-1] * emb.element_size()), experts=int(experts),
+                num_experts=X, top_k=A, kv_token=int(round(n_attn * 2 * model.num_kv_heads * per)),
+                gdn_seq=int(n_gdn * 2 * model.hv * spec.linear_key_head_dim * spec.linear_value_head_dim * 4))
+
+
+def step_bytes_from(parts: dict[str, int], C: int, context: int) -> dict[str, int]:
+    """Bytes one decode step of C sequences at `context` cached tokens each reads (step_byte_parts):
+    weights, kv (the new token's included), gdn_state, total."""
+    wb = parts["fixed"] + C * parts["embed_row"]
+    if parts["num_experts"]:
+        X = parts["num_experts"]
+        wb += parts["experts"] * min(X, C * parts["top_k"]) // X
+    kv = C * (context + 1) * parts["kv_token"]
+    gdn = C * parts["gdn_seq"]
+    return dict(weights=wb, kv=kv, gdn_state=gdn, total=wb + kv + gdn)

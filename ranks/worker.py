@@ -118,6 +118,12 @@ class Worker:
             runtime["cuda_graphs"] = True
         if self.spec_k:
             runtime["spec_rounds"] = "gpu" if self.gpu_rounds is not None else "eager"
+        if self.backend == "cuda":                       # what a decode step reads here (benchmark floors)
+            from ranks.model_cuda import step_byte_parts
+            try:
+                runtime["step_bytes"] = step_byte_parts(self.model, self.spec, self.kv_dtype)
+            except Exception as e:                       # noqa: BLE001 - a statistic, never a reason to fail
+                log.warning("rank %d: no step byte count (%s: %s)", self.rank, type(e).__name__, e)
         return msg.Ready(rank=self.rank, ok=True, pid=os.getpid(), shard=shard, weight_bytes=self.weight_bytes,
                          runtime=runtime,
                          state_bytes=self.state.nbytes() + self.keep_bytes, has_mtp=self.model.has_mtp)

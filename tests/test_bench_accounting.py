@@ -46,3 +46,62 @@ def test_linear_split_groups_are_the_models_fused_projections():
         ("in_proj_ab", [(48, 5120), (48, 5120)], False)]
     assert [sizes for _, sizes, _ in linear.split_groups("35b-a3b")] == [
         [(8192, 2048), (512, 2048), (512, 2048)], [(8192, 2048), (4096, 2048)], [(32, 2048), (32, 2048)]]
+
+
+def _model(spec, w, tp=1):
+    from types import SimpleNamespace
+    return SimpleNamespace(w=w, head=w.get("lm_head.weight", w["embed_tokens.weight"]),
+                           num_kv_heads=spec.num_kv_heads // tp, hv=spec.linear_num_value_heads // tp)
+
+
+def test_step_bytes_count_every_weight_once_and_the_chosen_experts():
+    """decode.py's floor (ranks/model_cuda.py step_byte_parts / step_bytes_from) against the
+    checkpoint's tensor shapes: every layer weight once (after the load-time fusions and the shared
+    expert's fold, which only make views), the routed experts in the share min(X, C * top_k) / X, C
+    embedding rows (the whole table again when tied: the head reads it), KV and GDN state by formula."""
+    import decode
+    from ranks.model_cuda import step_byte_parts, step_bytes_from
+    from runtime.config import FULL_ATTENTION
+    from tests.util import random_weights, tiny_spec
+    for spec in (tiny_spec(False), tiny_spec(True), tiny_spec(True, shared_expert_intermediate_size=32),
+                 tiny_spec(False, tie_word_embeddings=True)):
+        shapes = expected_shapes(spec, fused_experts=True)
+        w = {k: v.to(torch.bfloat16) for k, v in random_weights(spec, 3).items()}
+        _fuse_gate_up(w)
+        _fuse_projections(w)
+        _fold_shared_experts(w, spec.num_experts_per_tok or 0)
+        layer = {k: s for k, s in shapes.items() if not k.startswith("mtp.") and k != "embed_tokens.weight"}
+        experts = sum(2 * torch.Size(s).numel() for k, s in layer.items() if ".mlp.experts." in k)
+        fixed = sum(2 * torch.Size(s).numel() for s in layer.values()) - experts
+        emb = shapes["embed_tokens.weight"]
+        if spec.tie_word_embeddings:
+            fixed += 2 * torch.Size(emb).numel()
+        n_attn = sum(1 for k in spec.layer_types if k == FULL_ATTENTION)
+        parts = step_byte_parts(_model(spec, w), spec)
+        assert parts["fixed"] == fixed and parts["experts"] == experts, (spec.is_moe, parts, fixed, experts)
+        for C, ctx in ((1, 0), (3, 100), (64, 4096)):
+            got = step_bytes_from(parts, C, ctx)
+            share = experts * min(spec.num_experts, C * spec.num_experts_per_tok) // spec.num_experts \
+                if spec.is_moe else 0
+            assert got["weights"] == fixed + share + C * 2 * emb[1]
+            assert got["kv"] == C * (ctx + 1) * n_attn * 2 * spec.num_kv_heads * spec.head_dim * 2
+            assert got["gdn_state"] == C * (spec.num_layers - n_attn) * 2 * spec.linear_num_value_heads \
+                * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
+            assert decode.step_bytes(_model(spec, w), spec, C, ctx) == got
+        int8 = step_byte_parts(_model(spec, w), spec, kv_dtype="int8")
+        assert int8["kv_token"] == round(n_attn * 2 * spec.num_kv_heads * spec.head_dim * (1 + 4 / 64))
+
+
+def test_step_bytes_of_a_tp_shard_halve_what_is_split():
+    """A tp 2 rank reads half the KV heads, GDN value heads and expert rows of tp 1 (what decode_tp.py's
+    floor per rank divides)."""
+    from ranks.model_cuda import step_byte_parts
+    from ranks.random_checkpoint import random_shard
+    from tests.util import tiny_spec
+    spec = tiny_spec(True)
+    one = step_byte_parts(_model(spec, random_shard(spec, 0, 1)), spec)
+    for r in (0, 1):
+        half = step_byte_parts(_model(spec, random_shard(spec, r, 2), tp=2), spec)
+        assert 2 * half["kv_token"] == one["kv_token"] and 2 * half["gdn_seq"] == one["gdn_seq"]
+        assert 2 * half["experts"] == one["experts"]
+        assert one["fixed"] / 2 <= half["fixed"] < one["fixed"]          # replicated norms, router, ...

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from ranks.kvcache import ModelState  # noqa: E402
 from ranks.model import Batch  # noqa: E402
 from ranks.random_checkpoint import random_shard, spec_for  # noqa: E402
-from runtime.config import FULL_ATTENTION, PAGE_SIZE  # noqa: E402
+from runtime.config import PAGE_SIZE  # noqa: E402
 
 
 def measure_bandwidth(gib: float = 4.0) -> dict:
@@ -90,29 +90,10 @@ def matmul_rate() -> float:
 
 
 def step_bytes(model, spec, C: int, context: int) -> dict:
-    """Bytes one decode step of C sequences at `context` must move."""
-    from ranks.model_cuda import weight_bytes
-    w = model.w
-    emb = w["embed_tokens.weight"]
-    wb = weight_bytes({k: v for k, v in w.items() if not k.startswith("mtp.")})
-    tied = model.head.data_ptr() == emb.data_ptr()
-    wb -= emb.numel() * emb.element_size()             # only C rows of the embedding are gathered...
-    wb += C * emb.shape[1] * emb.element_size()
-    if tied:                                            # ...but a tied table is read whole as the head
-        wb += emb.numel() * emb.element_size()
-    if spec.is_moe:                                     # only the chosen experts' rows
-        X, A = spec.num_experts, spec.num_experts_per_tok
-        active = min(X, C * A)
-        for i in range(spec.num_layers):
-            for n in ("experts.gate_up_proj", "experts.down_proj"):
-                t = w[f"layers.{i}.mlp.{n}"]
-                wb -= t.numel() * t.element_size()
-                wb += t.numel() * t.element_size() * active // X
-    n_attn = sum(1 for k in spec.layer_types if k == FULL_ATTENTION)
-    n_gdn = spec.num_layers - n_attn
-    kv = n_attn * C * (context + 1) * 2 * model.num_kv_heads * spec.head_dim * 2
-    gdn = n_gdn * C * 2 * model.hv * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
-    return dict(weights=wb, kv=kv, gdn_state=gdn, total=wb + kv + gdn)
+    """Bytes one decode step of C sequences at `context` must move (ranks/model_cuda.py
+    step_byte_parts: every weight once, the chosen experts' share, C embedding rows, KV, GDN state)."""
+    from ranks.model_cuda import step_byte_parts, step_bytes_from
+    return step_bytes_from(step_byte_parts(model, spec), C, context)
 
 
 def linear_params(weights: dict) -> int:

@@ -1,15 +1,21 @@
 #!/usr/bin/env python
 """Decode step time through the whole engine (coordinator, rank processes, transport): tp 1 against
-tp 2 with each GPU transport, on a random full-size model (weights built on the GPUs).
+tp 2 with each GPU transport, on a random full-size model (weights built on the GPUs), against the
+bandwidth floor of the slowest rank.
 
-    python scripts/bench/decode_tp.py --model 27b --weights bf16 --tp 1 2 --transport mailbox copies nccl \
-        --concurrency 1 8 --out decode_tp.json
+    python scripts/bench/decode_tp.py --model 27b --weights bf16 nvfp4 --tp 1 2 \
+        --transport mailbox copies nccl --concurrency 1 4 8 16 --out decode_tp.json
 
-For each configuration: C requests of --prompt-len random tokens, --new-tokens greedy tokens each
-(ignore_eos), submitted together; the decode step time is (last finish - last first token) /
-(new tokens - 1), from the second of two runs (the first captures that C's CUDA graphs). Prints a table with the ratio to tp 1 and writes JSON. --share adds a tp 2 run
-whose all-reduces are skipped (TANDEM_BENCH_SKIP_ALLREDUCE=1; outputs are wrong, only its time
-counts): 1 - that step / the mailbox step is the all-reduce share of a tp 2 step.
+For each weight format and configuration: C requests of --prompt-len random tokens, --new-tokens
+greedy tokens each (ignore_eos), submitted together; the decode step time is (last finish - last
+first token) / (new tokens - 1), from the second of two runs (the first captures that C's CUDA
+graphs). The floor per rank: the bytes a decode step reads on that rank (its weight shard, the
+chosen experts' share, its KV heads and GDN state at the mean context of the decode, as the rank
+counts them: ranks/model_cuda.py step_byte_parts) over the read bandwidth measured on GPU 0 before
+the engines start (decode.py's probe; the GPUs are taken to be alike); a step is held to the
+slowest rank's. Prints a table with the ratio to tp 1 and the fraction of the floor, and writes JSON.
+--share adds a tp 2 run whose all-reduces are skipped (TANDEM_BENCH_SKIP_ALLREDUCE=1; outputs are
+wrong, only its time counts): 1 - that step / the mailbox step is the all-reduce share of a tp 2 step.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
                          transport=transport, max_context=prompt_len + new_tokens + 8, startup_timeout_s=900)
     out = {}
     with Engine.start(model_dir, tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
+        out["step_bytes"] = {r: info.get("step_bytes") for r, info in engine.stats().get("ranks", {}).items()}
         # every C runs twice and the second run is timed: the first captures the CUDA graphs of the C
         # bucket, which otherwise lands inside the timed window (docs/perf.md, eighth session: C=8
         # rows at twice the one-GPU step)
@@ -66,7 +73,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="27b")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--weights", nargs="+", default=["bf16"])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--transport", nargs="+", default=["mailbox", "copies", "nccl"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -79,36 +86,53 @@ def main(argv=None) -> int:
     d = tempfile.mkdtemp(prefix="tandem-bench-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
-    res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"), runs=[])
-    base = {}
-    for tp in args.tp:
-        for transport in (args.transport + (["skip"] if args.share else []) if tp > 1 else ["none"]):
-            try:
-                if transport == "skip":
-                    os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
-                r = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
-                        args.weights, args.concurrency, args.prompt_len, args.new_tokens)
-            except Exception as e:                     # report and go on with the other configurations
-                print(f"tp {tp} {transport}: failed: {e}", flush=True)
-                res["runs"].append(dict(tp=tp, transport=transport, error=str(e)))
-                continue
-            finally:
-                os.environ.pop("TANDEM_BENCH_SKIP_ALLREDUCE", None)
-            for C in args.concurrency:
-                step = r[C]["step_s"]
-                if tp == 1:
-                    base[C] = step
-                ratio = step / base[C] if C in base else float("nan")
-                res["runs"].append(dict(tp=tp, transport=transport, C=C, step_s=step, ratio_to_tp1=ratio))
-                print(f"tp {tp} {transport:8s} C={C:3d}: step {step * 1e3:7.2f} ms  {C / step:8.1f} tok/s  "
-                      f"{ratio:5.2f}x the tp 1 step", flush=True)
-    for C in args.concurrency:
-        steps = {r["transport"]: r["step_s"] for r in res["runs"] if r.get("C") == C and r["tp"] == 2}
-        if "skip" in steps and "mailbox" in steps:
-            share = 1 - steps["skip"] / steps["mailbox"]
-            res.setdefault("allreduce_share", {})[C] = share
-            print(f"C={C}: all-reduce share of a tp 2 mailbox step {share:.1%} "
-                  f"({steps['mailbox'] * 1e3:.2f} ms with, {steps['skip'] * 1e3:.2f} ms without)")
+    import torch
+    from ranks.model_cuda import step_bytes_from
+    sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
+    from decode import measure_bandwidth
+    bw = measure_bandwidth()["read_Bps"]
+    torch.cuda.empty_cache()
+    context = args.prompt_len + args.new_tokens // 2              # the mean context of the timed steps
+    res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"),
+               device=torch.cuda.get_device_name(0), read_Bps=bw, context=context, runs=[])
+    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bw / 1e12:.2f} TB/s (GPU 0)", flush=True)
+    for weights in args.weights:
+        base = {}
+        for tp in args.tp:
+            for transport in (args.transport + (["skip"] if args.share else []) if tp > 1 else ["none"]):
+                try:
+                    if transport == "skip":
+                        os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
+                    r = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
+                            weights, args.concurrency, args.prompt_len, args.new_tokens)
+                except Exception as e:                     # report and go on with the other configurations
+                    print(f"{weights} tp {tp} {transport}: failed: {e}", flush=True)
+                    res["runs"].append(dict(weights=weights, tp=tp, transport=transport, error=str(e)))
+                    continue
+                finally:
+                    os.environ.pop("TANDEM_BENCH_SKIP_ALLREDUCE", None)
+                for C in args.concurrency:
+                    step = r[C]["step_s"]
+                    if tp == 1:
+                        base[C] = step
+                    ratio = step / base[C] if C in base else float("nan")
+                    floors = {rank: step_bytes_from(p, C, context)["total"] / bw
+                              for rank, p in r["step_bytes"].items() if p}
+                    floor = max(floors.values()) if floors else float("nan")
+                    res["runs"].append(dict(weights=weights, tp=tp, transport=transport, C=C, step_s=step,
+                                            ratio_to_tp1=ratio, floor_s=floor, of_floor=floor / step,
+                                            rank_floor_s=floors))
+                    print(f"{weights:6s} tp {tp} {transport:8s} C={C:3d}: step {step * 1e3:7.2f} ms  "
+                          f"{C / step:8.1f} tok/s  {ratio:5.2f}x the tp 1 step  floor {floor * 1e3:6.2f} ms  "
+                          f"{floor / step:6.1%} of floor", flush=True)
+        for C in args.concurrency:
+            steps = {x["transport"]: x["step_s"] for x in res["runs"]
+                     if x.get("C") == C and x["tp"] == 2 and x["weights"] == weights}
+            if "skip" in steps and "mailbox" in steps:
+                share = 1 - steps["skip"] / steps["mailbox"]
+                res.setdefault("allreduce_share", {}).setdefault(weights, {})[C] = share
+                print(f"{weights} C={C}: all-reduce share of a tp 2 mailbox step {share:.1%} "
+                      f"({steps['mailbox'] * 1e3:.2f} ms with, {steps['skip'] * 1e3:.2f} ms without)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
