@@ -13,6 +13,9 @@
 #                                        8k prefill chunk's profile, the GDN rule's two forms per column count
 #   scripts/gpu-session.sh context OUT   one GPU: 27B bf16 decode at 4k, 8k, 16k and 32k context, the decode
 #                                        attention on tensor cores (default) and on the split kernel
+#   scripts/gpu-session.sh probe OUT     two GPUs, ~5 min: what the eighth session's analysis asks for first: the
+#                                        quantised GEMV at every I-split (ks) on the 27B's main layers, and the
+#                                        lean16 exchange with first-poll delays around half a PCIe round trip
 #   scripts/gpu-session.sh ncu OUT       one GPU: Nsight Compute on the decode GEMV of the 27B's widest and
 #                                        deepest layers (gate|up, down), bf16 / fp8 / nvfp4, T = 1 and 8, at the
 #                                        timing runs' clocks; the key metrics per kernel last
@@ -23,7 +26,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|probe|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -78,6 +81,13 @@ case "$PART" in
     timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
         --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
+  probe)
+    timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
+        --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1
+    timeout 120 python $B/allreduce.py --sizes 4,10240,40960 \
+        --mailbox-variants classic,lean16d300,lean16d500,lean16d700,lean16d900 \
+        --out "$OUT/allreduce-delay.json" > "$OUT/allreduce-delay.txt" 2>&1
+    for f in linear-ks allreduce-delay; do echo "== $f"; tail -24 "$OUT/$f.txt" | cut -c1-200; done ;;
   ncu)
     # ncu locks the SM clock to base unless told otherwise (1.36 GHz on an H200 against 1.98 in the
     # benches: docs/perf.md, eighth session)
@@ -87,5 +97,5 @@ case "$PART" in
         > "$OUT/ncu.txt" 2>&1
     grep -E "^(gate_up|down) |^  gemv_|Duration|DRAM Throughput|One or More Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Waves Per SM" \
         "$OUT/ncu.txt" | cut -c1-150 ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, ncu)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, probe, ncu)" >&2; exit 2 ;;
 esac
