@@ -252,6 +252,28 @@ def test_keyed_noise_is_the_same_on_the_gpu(seed):
                                atol=1e-14)
 
 
+def test_batched_sampling_candidates_equal_the_row_loop_on_the_gpu(seed):
+    """ranks.sampler.local_candidates on a GPU: the batched form (the default there: one batch of device
+    operations for all rows) gives the row loop's (score, index) bits on the same device, for mixed
+    greedy / tempered / penalised rows of a 248k vocabulary shard at an offset."""
+    from ranks.sampler import SeqSampler, local_candidates
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(9, 124_160, generator=gen) * 3.0).to(BF16).to("cuda")
+    temps = [0.0, 0.6, 1.0, 1.7]
+    samplers = []
+    for i in range(9):
+        s = SeqSampler(temperature=temps[i % 4], seed=seed + i, repetition_penalty=1.3 if i % 3 == 0 else 1.0,
+                       frequency_penalty=0.3 if i % 3 == 0 else 0.0)
+        s.observe([124_160 + 5, 124_160 + 5, 124_160 + 90_000, 3], 0)
+        samplers.append(s)
+    positions = [1_000 + 17 * i for i in range(9)]
+    for rows in (list(range(9)), [1, 2, 3, 5, 6, 7]):
+        sub, pos = [samplers[i] for i in rows], [positions[i] for i in rows]
+        a = local_candidates(logits, sub, pos, rows, 124_160)
+        b = local_candidates(logits, sub, pos, rows, 124_160, batched=False)
+        assert torch.equal(a, b), (rows, a, b)
+
+
 def test_moe_route_ties_go_to_lower_id():
     cm = _cm()
     X = 256
