@@ -130,15 +130,12 @@ def _uniforms_np(key: int, lo: int, hi: int) -> Tensor:
 
 
 def _uniforms_torch(key: int, lo: int, hi: int, device: torch.device | str) -> Tensor:
-    k0, k1 = key & _M32, key >> 32
-    c = torch.arange(2 * lo, 2 * hi, dtype=torch.int64, device=device) & _M32
-    h = _fmix32(_fmix32((_fmix32(c ^ k0) + k1) & _M32) ^ k0).view(-1, 2)
-    return (((h[:, 0] >> 5) * 67108864 + (h[:, 1] >> 6)).double() + 0.5) * 2.0 ** -53
+    return _uniforms_torch_rows([key], lo, hi, device)[0]
 
 
 def _uniforms_torch_rows(keys: list[int], lo: int, hi: int, device: torch.device | str) -> Tensor:
-    """_uniforms_torch for several keys at once: [len(keys), hi - lo], row r the bits of keys[r] (the same
-    integer operations, broadcast over the rows)."""
+    """The torch form of the hash for several keys at once: [len(keys), hi - lo], row r the bits of
+    keys[r] (int64 ops holding 32-bit values, broadcast over the rows)."""
     k0 = torch.tensor([k & _M32 for k in keys], dtype=torch.int64, device=device)[:, None]
     k1 = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=device)[:, None]
     c = (torch.arange(2 * lo, 2 * hi, dtype=torch.int64, device=device) & _M32)[None, :]

@@ -82,6 +82,19 @@ def _reference_logits(ref, seqs, routes=None, forced=None):
     return out
 
 
+def _forced_references(ref, ref16, seqs, routing, name):
+    """(float32, bfloat16) reference logits of every sequence; with a RouteRecorder (MoE), both run
+    on the experts the CUDA model chose, and its choices are checked against the float32 router."""
+    forced = routing.ids if routing else None
+    routes, routes16 = [], []
+    want = _reference_logits(ref, seqs, routes, forced)
+    want16 = _reference_logits(ref16, seqs, routes16, forced)
+    if routing:
+        routing.check(routes, routes16)
+        print(f"{name}: routed unlike the float32 reference at a near-tie: {routing.flips or 'nowhere'}")
+    return want, want16
+
+
 class RouteRecorder:
     """The experts the CUDA model routes every (sequence, position, MoE layer) to, so that the references
     can take the same ones (_reference_logits(forced=...)).
@@ -232,13 +245,7 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed, 
             rows = out.logits[i * columns:(i + 1) * columns] if columns > 1 else out.logits[i:i + 1]
             outs.append((False, b, pos[b], rows.float().cpu(), f"{name} seq {b} at {pos[b]}"))
             pos[b] += columns
-    forced = routing.ids if routing else None
-    routes, routes16 = [], []
-    want = _reference_logits(ref, seqs, routes, forced)
-    want16 = _reference_logits(ref16, seqs, routes16, forced)
-    if routing:
-        routing.check(routes, routes16)
-        print(f"{name}: routed unlike the float32 reference at a near-tie: {routing.flips or 'nowhere'}")
+    want, want16 = _forced_references(ref, ref16, seqs, routing, name)
     # with the references on the CUDA model's experts, MoE logits are as continuous as dense ones
     prefill, decode = Agreement(f"{name} prefill"), Agreement(f"{name} T={columns}")
     for is_prefill, b, at, rows, where in outs:
@@ -282,13 +289,7 @@ def test_mixed_prefill_and_decode_steps_match_the_float32_reference(name, seed, 
         for b, c in step:
             outs.append((b, pos[b], out.logits[at:at + c].float().cpu(), f"{name} step {step}: seq {b} at {pos[b]}"))
             at, pos[b] = at + c, pos[b] + c
-    forced = routing.ids if routing else None
-    routes, routes16 = [], []
-    want = _reference_logits(ref, seqs, routes, forced)
-    want16 = _reference_logits(ref16, seqs, routes16, forced)
-    if routing:
-        routing.check(routes, routes16)
-        print(f"{name}: routed unlike the float32 reference at a near-tie: {routing.flips or 'nowhere'}")
+    want, want16 = _forced_references(ref, ref16, seqs, routing, name)
     check = Agreement(f"{name} mixed")        # the references on the CUDA model's experts (RouteRecorder)
     for b, at, rows, where in outs:
         check.add(rows, want[b][at:at + rows.shape[0]], want16[b][at:at + rows.shape[0]], where)

@@ -37,12 +37,13 @@ from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 
 def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concurrency: list[int],
-        prompt_len: int, new_tokens: int) -> dict:
+        prompt_len: int, new_tokens: int) -> tuple[dict, dict]:
+    """({C: step_s, wall_s}, {rank: its step_bytes parts (Ready)})."""
     opts = EngineOptions(max_concurrency=max(concurrency), random_weights=True, weights=weights,
                          transport=transport, max_context=prompt_len + new_tokens + 8, startup_timeout_s=900)
     out = {}
     with Engine.start(model_dir, tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
-        out["step_bytes"] = {r: info.get("step_bytes") for r, info in engine.stats().get("ranks", {}).items()}
+        step_bytes = {r: info.get("step_bytes") for r, info in engine.stats().get("ranks", {}).items()}
         # every C runs twice and the second run is timed: the first captures the CUDA graphs of the C
         # bucket, which otherwise lands inside the timed window (docs/perf.md, eighth session: C=8
         # rows at twice the one-GPU step)
@@ -66,7 +67,7 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
             first = max(r["ttft_s"] for r in results)
             last = max(r["total_s"] for r in results)
             out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall)
-    return out
+    return out, step_bytes
 
 
 def main(argv=None) -> int:
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
                 try:
                     if transport == "skip":
                         os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
-                    r = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
+                    r, parts = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
                             weights, args.concurrency, args.prompt_len, args.new_tokens)
                 except Exception as e:                     # report and go on with the other configurations
                     print(f"{weights} tp {tp} {transport}: failed: {e}", flush=True)
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
                         base[C] = step
                     ratio = step / base[C] if C in base else float("nan")
                     floors = {rank: step_bytes_from(p, C, context)["total"] / bw
-                              for rank, p in r["step_bytes"].items() if p}
+                              for rank, p in parts.items() if p}
                     floor = max(floors.values()) if floors else float("nan")
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, C=C, step_s=step,
                                             ratio_to_tp1=ratio, floor_s=floor, of_floor=floor / step,
