@@ -176,15 +176,16 @@ def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
     out = logits.clone()
     n = out.shape[-1]
     if s.repetition_penalty != 1.0:
-        ids = torch.tensor([t - offset for t in s.seen if offset <= t < offset + n], dtype=torch.long)
+        ids = torch.tensor([t - offset for t in s.seen if offset <= t < offset + n], dtype=torch.long,
+                           device=out.device)
         if ids.numel():
             v = out[ids]
             out[ids] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
     if s.output and (s.presence_penalty or s.frequency_penalty):
         pairs = [(t - offset, c) for t, c in s.output.items() if offset <= t < offset + n]
         if pairs:
-            ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-            counts = torch.tensor([p[1] for p in pairs], dtype=out.dtype)
+            ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=out.device)
+            counts = torch.tensor([p[1] for p in pairs], dtype=out.dtype, device=out.device)
             out[ids] -= s.presence_penalty + s.frequency_penalty * counts
     return out
 

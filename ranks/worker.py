@@ -156,6 +156,8 @@ class Worker:
             sampled = sample_rows(out.logits[rows].float(), [self.samplers[seq_ids[b]] for b in rows],
                                   [starts[b] + columns[b] for b in rows], rank=self.rank, tp=self.tp,
                                   gather=self.mailbox.all_gather)
+        if self.profiler is not None:
+            self.profiler.mark("sampled")
         for sid in plan.finished:
             self.samplers.pop(int(sid), None)
         if self.rank != 0:
@@ -393,7 +395,8 @@ class StepProfiler:
                         include their wait for the peer) and the mean wall time of the steps;
                         TANDEM_PROFILE_KERNELS=0 leaves the profiler off
       rank{R}-host.txt  per step, host clock marks (time.time(), comparable across ranks): the plan
-                        received, the step's own marks (a GPU round: launched, synchronised), done."""
+                        received, the step's own marks (prepared, launched, sampled; a GPU round:
+                        launched, synchronised), computed, done."""
 
     def __init__(self, out_dir: str, rank: int, skip: int, steps: int, kernels: bool = True):
         self.out_dir, self.rank, self.skip, self.steps, self.kernels = out_dir, rank, skip, steps, kernels

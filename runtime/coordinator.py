@@ -69,6 +69,12 @@ class Coordinator:
         self.failure: str | None = None
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generated_tokens=0,
                              steps=0)
+        # where the steps' wall time went (seconds, summed over steps; stats()["step_time"]): the
+        # coordinator's own work per step (scheduling, the plan's message, applying the result),
+        # waiting for rank 0's result, and the part of that wait rank 0 spent in its step (from the
+        # plan decoded to the result built: inputs, forward, sampling); the rest of the wait is
+        # messaging and the rank's receive / send
+        self.step_time = dict(steps=0, coordinator_s=0.0, wait_s=0.0, rank_s=0.0)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -262,6 +268,7 @@ class Coordinator:
             usage = self.scheduler.usage()
             out = dict(healthy=self.healthy and not self.failure, failure=self.failure, tp=self.tp,
                        **usage, **self.counters)
+            out["step_time"] = dict(self.step_time)
             if self.ready:
                 out["ranks"] = {r: dict(m.runtime, pid=m.pid) for r, m in sorted(self.ready.items())}
             sc = self.scheduler.spec_totals
@@ -283,11 +290,12 @@ class Coordinator:
                     break
                 for s in self.scheduler.expire(time.monotonic()):
                     self._finish(s)
+                t0 = time.perf_counter()
                 with self._lock:
                     plan = self.scheduler.schedule()
                 if plan is None:
                     continue
-                self._run(plan)
+                self._run(plan, t0)
             # shutdown() sets _stopping too, so the loop can end here before it has read the "shutdown"
             # item: end what is still running or queued (a no-op when _drain already did)
             self._fail("the engine was shut down", status=Status.CANCELLED)
@@ -332,7 +340,7 @@ class Coordinator:
             except queue.Empty:
                 return True
 
-    def _run(self, plan) -> None:
+    def _run(self, plan, t0: float) -> None:
         max_pages = max(len(s.pages) for s in plan.seqs)
         arrays = plan.to_arrays(max_pages)
         new_sampling = {}
@@ -349,7 +357,9 @@ class Coordinator:
         frames = step.to_frames()
         for r in range(self.tp):
             self._sock.send_multipart([f"rank{r}".encode()] + frames, copy=False)
+        t_sent = time.perf_counter()
         result = self._await_result(plan.step)
+        t_result = time.perf_counter()
         self.counters["steps"] += 1
         ids, toks = result.seq_ids.tolist(), result.tokens.tolist()
         drafts = None
@@ -374,6 +384,11 @@ class Coordinator:
                 self.streams[s.id]._push(Event(s.id, tokens))
             else:
                 self._finish(s, last_tokens=tokens)
+        st = self.step_time
+        st["steps"] += 1
+        st["coordinator_s"] += (t_sent - t0) + (time.perf_counter() - t_result)
+        st["wait_s"] += t_result - t_sent
+        st["rank_s"] += result.elapsed_s
 
     def _await_result(self, step: int) -> msg.StepResult:
         while True:

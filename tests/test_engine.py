@@ -328,6 +328,11 @@ def test_32_staggered_requests_each_equal_their_solo_ids(dense, shared):
     generated = sum(len(ids) for _, ids in cases)
     assert after["generated_tokens"] - before["generated_tokens"] == generated
     assert after["steps"] - before["steps"] < generated, "no step carried more than one sequence"
+    # the step-time split covers every step; rank 0's time in its step is part of the wait for it
+    t0, t1 = before["step_time"], after["step_time"]
+    assert t1["steps"] - t0["steps"] == after["steps"] - before["steps"]
+    assert 0 < t1["rank_s"] - t0["rank_s"] < t1["wait_s"] - t0["wait_s"]
+    assert t1["coordinator_s"] > t0["coordinator_s"]
     _idle(eng)
 
 

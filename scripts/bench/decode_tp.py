@@ -16,6 +16,9 @@ the engines start (decode.py's probe; the GPUs are taken to be alike); a step is
 slowest rank's. Prints a table with the ratio to tp 1 and the fraction of the floor, and writes JSON.
 --share adds a tp 2 run whose all-reduces are skipped (TANDEM_BENCH_SKIP_ALLREDUCE=1; outputs are
 wrong, only its time counts): 1 - that step / the mailbox step is the all-reduce share of a tp 2 step.
+Each row also splits the step's wall time on the host (the engine's stats()["step_time"], averaged
+over all steps of the timed run, prefill included): rank 0 inside its step (inputs, forward, sampling),
+the messaging around it, and the coordinator's own work.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
                 if evs[-1].error:
                     raise RuntimeError(evs[-1].error)
                 results[i] = evs[-1].timings
+            st0 = engine.stats()["step_time"]
             t0 = time.perf_counter()
             threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
             for t in threads:
@@ -66,7 +70,10 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
             wall = time.perf_counter() - t0
             first = max(r["ttft_s"] for r in results)
             last = max(r["total_s"] for r in results)
-            out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall)
+            st1 = engine.stats()["step_time"]
+            n = max(st1["steps"] - st0["steps"], 1)
+            host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s")}
+            out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall, host=host)
     return out, step_bytes
 
 
@@ -120,12 +127,16 @@ def main(argv=None) -> int:
                     floors = {rank: step_bytes_from(p, C, context)["total"] / bw
                               for rank, p in parts.items() if p}
                     floor = max(floors.values()) if floors else float("nan")
+                    host = r[C]["host"]
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, C=C, step_s=step,
                                             ratio_to_tp1=ratio, floor_s=floor, of_floor=floor / step,
-                                            rank_floor_s=floors))
+                                            rank_floor_s=floors, host_per_step_s=host))
                     print(f"{weights:6s} tp {tp} {transport:8s} C={C:3d}: step {step * 1e3:7.2f} ms  "
                           f"{C / step:8.1f} tok/s  {ratio:5.2f}x the tp 1 step  floor {floor * 1e3:6.2f} ms  "
-                          f"{floor / step:6.1%} of floor", flush=True)
+                          f"{floor / step:6.1%} of floor  | per step: rank 0 in its step "
+                          f"{host['rank_s'] * 1e3:.2f} ms, messaging "
+                          f"{(host['wait_s'] - host['rank_s']) * 1e3:.2f}, coordinator "
+                          f"{host['coordinator_s'] * 1e3:.2f}", flush=True)
         for C in args.concurrency:
             steps = {x["transport"]: x["step_s"] for x in res["runs"]
                      if x.get("C") == C and x["tp"] == 2 and x["weights"] == weights}
