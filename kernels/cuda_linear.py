@@ -57,17 +57,6 @@ _TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 VARIANT_ENV = "TANDEM_GEMV_VARIANT"
 VARIANTS = ("auto", "tc", "pipelined")
-# The I-split (ks) of single-column launches (TANDEM_GEMV_KS, read at every launch plan): "auto" gives
-# the tensor-core kernels and the nvfp4 pipelined kernel the widest split their rows allow (ks 8 on the
-# 27B's layers) at T = 1; "blocks" is the older rule everywhere (the smallest ks giving 4 blocks per SM,
-# 2 for the pipelined kernels). scripts/bench/linear.py --ks 1 2 4 8 on an H200 (docs/perf.md, ninth
-# session), % of floor, route's ks -> ks 8 at T = 1: nvfp4 gate|up 48 -> 55, GDN qkv 39 -> 45, q 47 -> 49,
-# down 41 -> 41; fp8 gate|up 78 -> 85. The fp8 pipelined kernel was best at its route's ks (q 73 at
-# ks 2 against 63 at ks 8) and keeps it, as do all launches of more columns (T = 8: ks 8 lost on gate|up).
-# The tensor-core kernel fits 2 blocks per SM (125 registers), so the old rule gave gate|up 2.06 waves
-# and a lone tail; 8 warps per row pair cut the per-warp work 4x and the tail with it.
-KS_ENV = "TANDEM_GEMV_KS"
-KS_RULES = ("auto", "blocks")
 PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # gemv_*_pipe: ks is the smallest of 1, 2, 4, 8 giving at least this many blocks per SM. An SM holds up
 # to 4 of its blocks (64 registers, 44 KiB of shared memory each; 2 on sm_86/89/120), and a warp keeps
@@ -81,14 +70,6 @@ def gemv_variant() -> str:
     v = os.environ.get(VARIANT_ENV) or "auto"
     if v not in VARIANTS:
         raise L.KernelError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")
-    return v
-
-
-def ks_rule() -> str:
-    """The I-split rule from $TANDEM_GEMV_KS ("auto" when unset or empty)."""
-    v = os.environ.get(KS_ENV) or "auto"
-    if v not in KS_RULES:
-        raise L.KernelError(f"{KS_ENV}={v!r}: expected one of {', '.join(KS_RULES)}")
     return v
 
 
@@ -108,7 +89,7 @@ def pipe_wins(O: int, T: int, tc: dict) -> bool:
     (gate|up, split over 2: 0.7-0.9x) and on the smallest (k / v, O = 1024: 0.8-0.9x). At T = 8 the
     gains shrink to within noise, so T = 8 keeps the tensor-core kernel."""
     return T <= 4 and O >= 4096 and tc.get("kernel", "").startswith("gemv_") and "_tc" in tc["kernel"] \
-        and tc.get("ks_blocks", tc.get("ks", 0)) >= 4
+        and tc.get("ks", 0) >= 4
 
 
 def _kind_of(w) -> str:
@@ -174,7 +155,9 @@ FORCE_KS: int | None = None            # benchmarks only (scripts/bench/linear.p
 
 def _pick_ks(units: int, ks_cap: int, sm_count: int, blocks_per_sm: int = 4) -> int:
     """Warps splitting I per unit: the smallest of 1, 2, 4, 8 (<= ks_cap) giving >= blocks_per_sm
-    blocks per SM."""
+    blocks per SM. Tried and reverted (docs/perf.md, ninth session): ks 8 for every single-column
+    launch, which won per layer in linear.py's ks table (27B nvfp4 gate|up 48 -> 55% of floor), made
+    the whole 27B decode step slower (nvfp4 C=1 9.48 -> 10.08 ms, fp8 10.54 -> 11.23 ms)."""
     if FORCE_KS is not None:
         return max(1, min(FORCE_KS, ks_cap))
     for cand in (1, 2, 4, 8):
@@ -195,41 +178,29 @@ def launch_columns(kind: str, I: int) -> int:
 def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
     """Tensor-core GEMV (gemv_*_tc, gemv.cu): a warp owns a tile of 16 rows (SwiGLU: 8 gate rows and
     their 8 up rows) times 1, 2 or 4 tiles of 8 columns, and steps through I 64 bytes of each row at
-    a time (4 lanes x 16 bytes); ks warps of a block split the steps. ks: at T = 1 the widest the
-    rows allow (KS_ENV); otherwise route()'s rule, the smallest giving >= 4 blocks per SM; either
-    capped so that each of the ks warps gets at least one step. "ks_blocks": the rule's ks (pipe_wins
-    compares on it)."""
+    a time (4 lanes x 16 bytes); ks warps of a block split the steps. Same ks rule as route(): the
+    smallest giving >= 4 blocks per SM, capped so that each of the ks warps gets at least one step."""
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     steps = -(-(I // _EPC[kind]) // 4)
     ks_cap = 1
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
-    ks_blocks = _pick_ks(tiles, ks_cap, sm_count)
-    ks = ks_cap if _widest_split(T) else ks_blocks
+    ks = _pick_ks(tiles, ks_cap, sm_count)
     blocks = -(-tiles // (WARPS // ks))
     nb = next(n for n in _TC_TILES if 8 * n >= T)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}", "nt": 8 * nb, "ks": ks,
-            "ks_blocks": ks_blocks, "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,),
-            "T": T}
-
-
-def _widest_split(T: int) -> bool:
-    """Whether a launch of T columns takes the widest I-split its rows allow (KS_ENV)."""
-    return T == 1 and FORCE_KS is None and ks_rule() == "auto"
+            "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T}
 
 
 def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
     """Pipelined tensor-core GEMV (gemv_*_pipe, gemv.cu): the tiles and steps of _route_tc with one
-    column tile; ks from PIPE_BLOCKS_PER_SM (nvfp4 at T = 1: the widest, KS_ENV), capped so that
-    each of the ks warps gets a step."""
+    column tile; ks from PIPE_BLOCKS_PER_SM, capped so that each of the ks warps gets a step."""
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     steps = -(-(I // _EPC[kind]) // 4)
     ks_cap = 1
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
     ks = _pick_ks(tiles, ks_cap, sm_count, PIPE_BLOCKS_PER_SM)
-    if kind == "nvfp4" and _widest_split(T):
-        ks = ks_cap
     blocks = -(-tiles // (WARPS // ks))
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_pipe", "nt": 8, "ks": ks,
             "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T,

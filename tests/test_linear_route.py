@@ -104,8 +104,7 @@ def test_pipelined_variant_leaves_what_it_does_not_serve():
     assert not cl.pipe_applies("fp8_row", 5120, 9)
 
 
-def test_pipelined_ks_fills_two_blocks_per_sm(monkeypatch):
-    monkeypatch.setenv(cl.KS_ENV, "blocks")
+def test_pipelined_ks_fills_two_blocks_per_sm():
     # q_proj 12288 x 5120: 768 tiles; ks 4 -> 384 blocks >= 2 x 132; gate|up 34816: ks 1 -> 272 blocks
     assert cl.route(12288, 5120, 1, "nvfp4", SM, variant="pipelined")["ks"] == 4
     assert cl.route(34816, 5120, 1, "nvfp4", SM, variant="pipelined")["ks"] == 1
@@ -145,38 +144,3 @@ def test_auto_takes_the_pipelined_kernel_where_it_was_measured_faster():
     assert kernel(5120, 5120, 1, "bf16") == cl.route(5120, 5120, 1, "bf16", SM, variant="tc")["kernel"]
     # nvfp4 rows must be 64-element multiples for the pipelined kernel: others keep the old kernels
     assert not kernel(5120, 5120 + 32, 1, "nvfp4").endswith("_pipe")
-
-
-def test_single_column_launches_take_the_widest_split(monkeypatch):
-    """TANDEM_GEMV_KS=auto (the default): at T = 1 the tensor-core kernels and the nvfp4 pipelined
-    kernel split I over as many warps as the rows allow (capped at 8 and at one step per warp); the
-    fp8 pipelined kernel, launches of more columns and the "blocks" rule keep the block-count rule,
-    and auto's choice between the two kernels is made on that rule's ks."""
-    monkeypatch.delenv(cl.KS_ENV, raising=False)
-    for kind in ("fp8_row", "fp8_block", "nvfp4"):
-        epc = 32 if kind == "nvfp4" else 16
-        for O, I, swiglu in ((34816, 5120, True), (12288, 5120, False), (5120, 17408, False), (20000, 128, False)):
-            steps = -(-(I // epc) // 4)
-            cap = max(c for c in (1, 2, 4, 8) if c <= steps)       # one step per warp at least
-            tc = cl.route(O, I, 1, kind, SM, swiglu=swiglu, variant="tc")
-            assert tc["ks"] == cap, (kind, O, I, tc)
-            pipe = cl.route(O, I, 1, kind, SM, swiglu=swiglu, variant="pipelined")
-            monkeypatch.setenv(cl.KS_ENV, "blocks")
-            old_tc = cl.route(O, I, 1, kind, SM, swiglu=swiglu, variant="tc")
-            old_pipe = cl.route(O, I, 1, kind, SM, swiglu=swiglu, variant="pipelined")
-            old_auto = cl.route(O, I, 1, kind, SM, swiglu=swiglu, variant="auto")
-            monkeypatch.delenv(cl.KS_ENV)
-            assert tc["ks_blocks"] == old_tc["ks"] and old_tc["ks"] <= cap
-            assert tc["grid"][0] == -(-tc["units"] // (8 // cap))
-            assert pipe["ks"] == (cap if kind == "nvfp4" else old_pipe["ks"]), (kind, O, I)
-            # the same kernel as under the old rule, only the split differs
-            assert cl.route(O, I, 1, kind, SM, swiglu=swiglu, variant="auto")["kernel"] == old_auto["kernel"]
-            for T in (2, 4, 8):                         # more columns: the block-count rule
-                assert cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="tc")["ks"] == \
-                    cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="tc")["ks_blocks"]
-    # the 27B's gate|up at T = 1: ks 8, 2176 blocks (the block-count rule gave ks 2, 544 blocks)
-    r = cl.route(34816, 5120, 1, "nvfp4", SM, swiglu=True)
-    assert r["kernel"] == "gemv_nvfp4_tc" and r["ks"] == 8 and r["grid"] == (2176,) and r["ks_blocks"] == 2
-    monkeypatch.setenv(cl.KS_ENV, "widest")
-    with pytest.raises(KernelError, match="TANDEM_GEMV_KS"):
-        cl.route(5120, 5120, 1, "nvfp4", SM)
