@@ -162,6 +162,8 @@ class CudaHybridModel(HybridModel):
         self.weight_format = weight_format
         if weight_format != "bf16":
             quantise_weights(weights, weight_format)
+        else:
+            _fuse_gdn_inputs(weights)                  # a|b stay bf16 when the others are quantised
         _fold_shared_experts(weights, spec.num_experts_per_tok)
         self.device_index = launch.device_of(emb)
         with torch.cuda.device(self.device_index):
@@ -417,8 +419,12 @@ class CudaHybridModel(HybridModel):
                              max_columns=None if db.host is None else max(db.host.columns))
 
     def _gdn_in(self, p: str, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]."""
+        """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]; one launch
+        where _fuse_gdn_inputs made one weight of all four (bf16), else two."""
         q = p + "linear_attn."
+        if q + GDN_INPUTS_FUSED in self.w and h.dtype == torch.bfloat16:
+            qkv, z, a, b = self._projections(h, q, GDN_INPUTS_FUSED, GDN_INPUTS)
+            return qkv, z, a, b
         qkv, z = self._projections(h, q, "in_proj_qkvz.weight", ("in_proj_qkv.weight", "in_proj_z.weight"))
         a, b = self._projections(h, q, "in_proj_ab.weight", ("in_proj_a.weight", "in_proj_b.weight"))
         return qkv, z, a, b
@@ -618,6 +624,40 @@ FUSED_PROJECTIONS = (
     ("linear_attn.in_proj_qkvz.weight", ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"), True),
     ("linear_attn.in_proj_ab.weight", ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight"), False),
 )
+
+
+# bf16 models: the GDN layer's four input projections as one weight (qkv | z | a | b), one GEMV launch
+# per layer instead of two; quantised formats keep qkv|z quantised and a|b in bf16, so two groups.
+GDN_INPUTS_FUSED = "in_proj_qkvzab.weight"
+GDN_INPUTS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight")
+
+
+def _fuse_gdn_inputs(weights: dict[str, Tensor | QuantWeight]) -> None:
+    """After _fuse_projections, for bf16 models: concatenate each GDN layer's qkv|z and a|b weights into
+    one [sum O, I] weight (`linear_attn.in_proj_qkvzab.weight`); the two groups and their four parts
+    become row views of it (the old storages are freed layer by layer). Layers whose four parts are not
+    all 2-D 16-bit tensors of one dtype, device and width stay as they are. Idempotent."""
+    for name in [n for n in weights if n.endswith("linear_attn." + GDN_INPUTS[0])]:
+        base = name[: -len(GDN_INPUTS[0])]
+        if base + GDN_INPUTS_FUSED in weights:
+            continue
+        ts = [weights.get(base + p) for p in GDN_INPUTS]
+        if any(not isinstance(t, Tensor) or t.dim() != 2 for t in ts):
+            continue
+        if len({(t.dtype, t.device, t.shape[1]) for t in ts}) != 1:
+            continue
+        cat = torch.cat(ts, dim=0)
+        sizes = [t.shape[0] for t in ts]
+        del ts
+        weights[base + GDN_INPUTS_FUSED] = cat
+        a = 0
+        for p, n in zip(GDN_INPUTS, sizes):
+            weights[base + p] = cat[a:a + n]
+            a += n
+        for group, parts in (("in_proj_qkvz.weight", GDN_INPUTS[:2]), ("in_proj_ab.weight", GDN_INPUTS[2:])):
+            if base + group in weights:
+                lo = 0 if group.startswith("in_proj_qkvz") else sizes[0] + sizes[1]
+                weights[base + group] = cat[lo:lo + sum(weights[base + q].shape[0] for q in parts)]
 
 
 def _out_features(t) -> int:

@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
-from ranks.model_cuda import _fold_shared_experts, _fuse_gate_up, _fuse_projections  # noqa: E402
+from ranks.model_cuda import _fold_shared_experts, _fuse_gate_up, _fuse_gdn_inputs, _fuse_projections  # noqa: E402
 from ranks.random_checkpoint import spec_for  # noqa: E402
 from ranks.weights import expected_shapes  # noqa: E402
 
@@ -31,6 +31,8 @@ def test_linear_params_count_fused_gate_up_once():
         assert any(k.endswith("mlp.gate_up_proj.weight") for k in w) or spec.is_moe
         assert decode.linear_params(w) == want, name
         _fuse_projections(w)                              # q|k|v, GDN qkv|z, a|b: the parts become views
+        assert decode.linear_params(w) == want, name
+        _fuse_gdn_inputs(w)                               # bf16: qkv|z|a|b one weight, all views of it
         assert decode.linear_params(w) == want, name
         _fold_shared_experts(w, spec.num_experts_per_tok or 0)                           # the shared expert: views of the expert stacks
         assert any(k.endswith("mlp.gate_shared.weight") for k in w) == spec.is_moe
@@ -69,6 +71,7 @@ def test_step_bytes_count_every_weight_once_and_the_chosen_experts():
         w = {k: v.to(torch.bfloat16) for k, v in random_weights(spec, 3).items()}
         _fuse_gate_up(w)
         _fuse_projections(w)
+        _fuse_gdn_inputs(w)
         _fold_shared_experts(w, spec.num_experts_per_tok or 0)
         layer = {k: s for k, s in shapes.items() if not k.startswith("mtp.") and k != "embed_tokens.weight"}
         experts = sum(2 * torch.Size(s).numel() for k, s in layer.items() if ".mlp.experts." in k)

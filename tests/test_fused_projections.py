@@ -110,3 +110,39 @@ def test_quantised_checkpoints_stay_apart(seed):
     mc._fuse_projections(w)
     assert not any(k.endswith("self_attn.qkv_proj.weight") for k in w)
     assert any(k.endswith("linear_attn.in_proj_qkvz.weight") for k in w)
+
+
+def test_gdn_inputs_fuse_into_one_weight_for_bf16(seed):
+    """_fuse_gdn_inputs (bf16 models, after _fuse_projections): each GDN layer's qkv | z | a | b become
+    row views of one weight, in that order, with the same values; the qkv|z and a|b groups are views of
+    it too; the weight bytes do not change; idempotent."""
+    spec, w = _weights(seed)
+    orig = {k: v.clone() for k, v in w.items()}
+    mc._fuse_projections(w)
+    mc._fuse_gdn_inputs(w)
+    fused = [n for n in w if n.endswith(mc.GDN_INPUTS_FUSED)]
+    assert len(fused) == len(spec.linear_attention_layers) > 0
+    for name in fused:
+        base = name[: -len(mc.GDN_INPUTS_FUSED)]
+        parts = [base + p for p in mc.GDN_INPUTS]
+        f = w[name]
+        assert torch.equal(f, torch.cat([orig[p] for p in parts]))
+        for p in parts + [base + "in_proj_qkvz.weight", base + "in_proj_ab.weight"]:
+            assert w[p].untyped_storage().data_ptr() == f.untyped_storage().data_ptr(), p
+        for p in parts:
+            assert torch.equal(w[p], orig[p])
+        assert torch.equal(w[base + "in_proj_qkvz.weight"], torch.cat([orig[p] for p in parts[:2]]))
+        assert torch.equal(w[base + "in_proj_ab.weight"], torch.cat([orig[p] for p in parts[2:]]))
+    assert mc.weight_bytes(w) == mc.weight_bytes(orig)
+    mc._fuse_gdn_inputs(w)
+    assert len([n for n in w if n.endswith(mc.GDN_INPUTS_FUSED)]) == len(fused)
+
+
+def test_gdn_inputs_stay_two_groups_when_a_part_is_quantised(seed):
+    from kernels.quant import quantize_fp8_rows
+    spec, w = _weights(seed)
+    for k in [k for k in w if k.endswith("linear_attn.in_proj_qkv.weight")]:
+        w[k] = quantize_fp8_rows(w[k])
+    mc._fuse_projections(w)
+    mc._fuse_gdn_inputs(w)
+    assert not any(k.endswith(mc.GDN_INPUTS_FUSED) for k in w)
