@@ -422,7 +422,7 @@ class CudaHybridModel(HybridModel):
         """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]; one launch
         where _fuse_gdn_inputs made one weight of all four (bf16), else two."""
         q = p + "linear_attn."
-        if q + GDN_INPUTS_FUSED in self.w and h.dtype == torch.bfloat16:
+        if q + GDN_INPUTS_FUSED in self.w and h.dtype == torch.bfloat16 and os.environ.get(GDN_FUSE_ENV) != "0":
             qkv, z, a, b = self._projections(h, q, GDN_INPUTS_FUSED, GDN_INPUTS)
             return qkv, z, a, b
         qkv, z = self._projections(h, q, "in_proj_qkvz.weight", ("in_proj_qkv.weight", "in_proj_z.weight"))
@@ -630,6 +630,9 @@ FUSED_PROJECTIONS = (
 # per layer instead of two; quantised formats keep qkv|z quantised and a|b in bf16, so two groups.
 GDN_INPUTS_FUSED = "in_proj_qkvzab.weight"
 GDN_INPUTS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight")
+# TANDEM_GDN_INPUTS_FUSED=0 runs the two-group launches on the same weights (read per step, so at
+# graph capture too: decode.py --variant compares both in one process)
+GDN_FUSE_ENV = "TANDEM_GDN_INPUTS_FUSED"
 
 
 def _fuse_gdn_inputs(weights: dict[str, Tensor | QuantWeight]) -> None:
