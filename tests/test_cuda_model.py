@@ -609,4 +609,4 @@ def test_teacher_forced_with_tensor_core_decode_attention(name, columns, seed, m
     from ranks import model_cuda
     monkeypatch.setattr(model_cuda, "TC_DECODE_ATTENTION", True)
     monkeypatch.setattr(model_cuda, "TC_DECODE_MIN_LEN", 0)
-    test_teacher_forced_logits_match_the_float32_reference(name, columns, seed)
+    test_teacher_forced_logits_match_the_float32_reference(name, columns, seed, monkeypatch)
