@@ -57,6 +57,13 @@ _TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 VARIANT_ENV = "TANDEM_GEMV_VARIANT"
 VARIANTS = ("auto", "tc", "pipelined")
+# The I-split (ks) rule (TANDEM_GEMV_KS, read at every launch plan, so at graph capture too; for
+# benchmarks): "blocks" (the default) is _pick_ks's everywhere; "tc8" gives single-column launches of
+# the tensor-core kernels (gemv_*_tc: the 27B's gate|up, 2 blocks per SM) the widest split their rows
+# allow; "wide" does that and the same for the nvfp4 pipelined kernel (tried in the ninth session:
+# slower on the whole 27B step, docs/perf.md).
+KS_ENV = "TANDEM_GEMV_KS"
+KS_RULES = ("blocks", "tc8", "wide")
 PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # gemv_*_pipe: ks is the smallest of 1, 2, 4, 8 giving at least this many blocks per SM. An SM holds up
 # to 4 of its blocks (64 registers, 44 KiB of shared memory each; 2 on sm_86/89/120), and a warp keeps
@@ -70,6 +77,14 @@ def gemv_variant() -> str:
     v = os.environ.get(VARIANT_ENV) or "auto"
     if v not in VARIANTS:
         raise L.KernelError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")
+    return v
+
+
+def ks_rule() -> str:
+    """The I-split rule from $TANDEM_GEMV_KS ("blocks" when unset or empty)."""
+    v = os.environ.get(KS_ENV) or "blocks"
+    if v not in KS_RULES:
+        raise L.KernelError(f"{KS_ENV}={v!r}: expected one of {', '.join(KS_RULES)}")
     return v
 
 
@@ -89,7 +104,7 @@ def pipe_wins(O: int, T: int, tc: dict) -> bool:
     (gate|up, split over 2: 0.7-0.9x) and on the smallest (k / v, O = 1024: 0.8-0.9x). At T = 8 the
     gains shrink to within noise, so T = 8 keeps the tensor-core kernel."""
     return T <= 4 and O >= 4096 and tc.get("kernel", "").startswith("gemv_") and "_tc" in tc["kernel"] \
-        and tc.get("ks", 0) >= 4
+        and tc.get("ks_blocks", tc.get("ks", 0)) >= 4
 
 
 def _kind_of(w) -> str:
@@ -185,11 +200,13 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     ks_cap = 1
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
-    ks = _pick_ks(tiles, ks_cap, sm_count)
+    ks_blocks = _pick_ks(tiles, ks_cap, sm_count)
+    ks = ks_cap if T == 1 and FORCE_KS is None and ks_rule() != "blocks" else ks_blocks
     blocks = -(-tiles // (WARPS // ks))
     nb = next(n for n in _TC_TILES if 8 * n >= T)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}", "nt": 8 * nb, "ks": ks,
-            "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T}
+            "ks_blocks": ks_blocks, "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,),
+            "T": T}
 
 
 def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
@@ -201,6 +218,8 @@ def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) 
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
     ks = _pick_ks(tiles, ks_cap, sm_count, PIPE_BLOCKS_PER_SM)
+    if kind == "nvfp4" and T == 1 and FORCE_KS is None and ks_rule() == "wide":
+        ks = ks_cap
     blocks = -(-tiles // (WARPS // ks))
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_pipe", "nt": 8, "ks": ks,
             "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T,

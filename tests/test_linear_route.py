@@ -144,3 +144,26 @@ def test_auto_takes_the_pipelined_kernel_where_it_was_measured_faster():
     assert kernel(5120, 5120, 1, "bf16") == cl.route(5120, 5120, 1, "bf16", SM, variant="tc")["kernel"]
     # nvfp4 rows must be 64-element multiples for the pipelined kernel: others keep the old kernels
     assert not kernel(5120, 5120 + 32, 1, "nvfp4").endswith("_pipe")
+
+
+def test_ks_rules_from_the_environment(monkeypatch):
+    """TANDEM_GEMV_KS (benchmarks): "blocks" (default) is the block-count rule; "tc8" widens only the
+    single-column tensor-core launches (27B gate|up: ks 2 -> 8), "wide" also the nvfp4 pipelined
+    ones; the kernel auto picks is the same under every rule."""
+    def r(O, I, T, kind, swiglu=False, variant="auto"):
+        return cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)
+    monkeypatch.delenv(cl.KS_ENV, raising=False)
+    base = {(O, T, k): r(O, 5120, T, k, O == 34816) for O in (34816, 12288) for T in (1, 8)
+            for k in ("nvfp4", "fp8_row")}
+    assert base[(34816, 1, "nvfp4")]["ks"] == 2 and base[(34816, 1, "nvfp4")]["kernel"] == "gemv_nvfp4_tc"
+    for rule in ("tc8", "wide"):
+        monkeypatch.setenv(cl.KS_ENV, rule)
+        for (O, T, k), b in base.items():
+            got = r(O, 5120, T, k, O == 34816)
+            assert got["kernel"] == b["kernel"], (rule, O, T, k)
+            widened = T == 1 and (got["kernel"].endswith("_tc") or (rule == "wide" and k == "nvfp4"))
+            assert got["ks"] == (8 if widened else b["ks"]), (rule, O, T, k, got)
+            assert got["grid"][0] == -(-got["units"] // (8 // got["ks"]))
+    monkeypatch.setenv(cl.KS_ENV, "widest")
+    with pytest.raises(KernelError, match="TANDEM_GEMV_KS"):
+        r(5120, 5120, 1, "nvfp4")
