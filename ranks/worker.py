@@ -79,6 +79,7 @@ class Worker:
         self.kv_dtype = opts.get("kv_dtype", "bf16")
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
+        self.last_sampled: dict[int, int] = {}            # per sequence, its token sampled last (steps planned ahead)
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
         # the reduced proposal head: drafts only among token ids below this (0 = the whole vocabulary)
         from ranks.spec_cuda import draft_head_rows
@@ -128,6 +129,20 @@ class Worker:
                          runtime=runtime,
                          state_bytes=self.state.nbytes() + self.keep_bytes, has_mtp=self.model.has_mtp)
 
+    def _fill_last_sampled(self, step: int, seq_ids: list[int], columns: list[int], tokens: np.ndarray) -> None:
+        """A step planned ahead (runtime.scheduler.LAST_SAMPLED): each -1 token is the one this rank
+        sampled for that sequence in its previous step."""
+        at = 0
+        for sid, c in zip(seq_ids, columns):
+            for i in range(at, at + c):
+                if tokens[i] < 0:
+                    t = self.last_sampled.get(sid)
+                    if t is None:
+                        raise msg.ProtocolError(f"step {step}: sequence {sid} is fed its last sampled token, "
+                                                "but it sampled none here")
+                    tokens[i] = t
+            at += c
+
     def step(self, plan: msg.StepPlan) -> msg.StepResult | None:
         if self.spec_k:
             return self.spec_step(plan)
@@ -137,6 +152,8 @@ class Worker:
         seq_ids = plan.seq_ids.tolist()
         columns, starts = plan.columns.tolist(), plan.starts.tolist()
         tokens = plan.token_ids.astype(np.int64)
+        if tokens.size and tokens.min() < 0:
+            self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
         at = 0
         for sid, c, s in zip(seq_ids, columns, starts):
             self.samplers[sid].observe(tokens[at:at + c].tolist(), s)
@@ -158,8 +175,11 @@ class Worker:
                                   gather=self.mailbox.all_gather)
         if self.profiler is not None:
             self.profiler.mark("sampled")
+        for b, t in zip(rows, sampled):                 # what a step planned ahead feeds (every rank)
+            self.last_sampled[seq_ids[b]] = t
         for sid in plan.finished:
             self.samplers.pop(int(sid), None)
+            self.last_sampled.pop(int(sid), None)
         if self.rank != 0:
             return None
         return msg.StepResult(step=plan.step, seq_ids=np.array([seq_ids[b] for b in rows], dtype=np.int64),
@@ -522,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(m, msg.Cancel):
                 for sid in m.seq_ids:
                     worker.samplers.pop(int(sid), None)
+                    worker.last_sampled.pop(int(sid), None)
                     worker.stops.pop(int(sid), None)
                 continue
             step = current_step[0] = m.step

@@ -5,7 +5,10 @@
 It starts N rank processes (``python -m ranks.worker``), hands each a Hello over a ZeroMQ ROUTER
 socket, and waits for every Ready. Then it loops: drain submissions and cancellations, plan a step,
 send it to all ranks, wait for rank 0's StepResult while watching every rank (process exit, Error
-message, heartbeat age), commit, stream events. A rank that fails ends every in-flight request with
+message, heartbeat age), commit, stream events. With EngineOptions.overlap_steps (the default), while
+a decode step is in flight the next one is planned and sent before its result comes back
+(Scheduler.plan_ahead: the ranks feed it the tokens they just sampled), so the ranks start it as soon
+as they finish the first and the coordinator's round trip is off the critical path. A rank that fails ends every in-flight request with
 an error event at once, the engine turns unhealthy, the other ranks are stopped, and later
 submissions are refused; whoever owns the engine (``tandem serve``) then exits non-zero.
 """
@@ -68,12 +71,13 @@ class Coordinator:
         self.healthy = False
         self.failure: str | None = None
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generated_tokens=0,
-                             steps=0)
+                             steps=0, steps_ahead=0)
         # where the steps' wall time went (seconds, summed over steps; stats()["step_time"]): the
         # coordinator's own work per step (scheduling, the plan's message, applying the result),
         # waiting for rank 0's result, and the part of that wait rank 0 spent in its step (from the
-        # plan decoded to the result built: inputs, forward, sampling); the rest of the wait is
-        # messaging and the rank's receive / send
+        # plan decoded to the result built: inputs, forward, sampling); without steps planned ahead
+        # the rest of the wait is messaging and the rank's receive / send (with them, rank 0 often
+        # starts a step before the coordinator waits for it, and the wait is the shorter)
         self.step_time = dict(steps=0, coordinator_s=0.0, wait_s=0.0, rank_s=0.0)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -284,18 +288,30 @@ class Coordinator:
     # ---- the loop (coordinator thread) -------------------------------------------------------------
 
     def _loop(self) -> None:
+        inflight = None                                  # a plan sent and not yet committed
         try:
             while not self._stopping.is_set():
-                if not self._drain(block=not self.scheduler.running and not self.scheduler.waiting):
+                if not self._drain(block=not self.scheduler.running and not self.scheduler.waiting
+                                   and inflight is None):
                     break
                 for s in self.scheduler.expire(time.monotonic()):
                     self._finish(s)
                 t0 = time.perf_counter()
-                with self._lock:
-                    plan = self.scheduler.schedule()
-                if plan is None:
-                    continue
-                self._run(plan, t0)
+                if inflight is None:
+                    with self._lock:
+                        inflight = self.scheduler.schedule()
+                    if inflight is None:
+                        continue
+                    self._send_plan(inflight)
+                ahead = None
+                if self.options.overlap_steps:
+                    with self._lock:
+                        ahead = self.scheduler.plan_ahead(inflight)
+                    if ahead is not None:
+                        self._send_plan(ahead)
+                        self.counters["steps_ahead"] += 1
+                self._complete(inflight, t0)
+                inflight = ahead
             # shutdown() sets _stopping too, so the loop can end here before it has read the "shutdown"
             # item: end what is still running or queued (a no-op when _drain already did)
             self._fail("the engine was shut down", status=Status.CANCELLED)
@@ -340,7 +356,8 @@ class Coordinator:
             except queue.Empty:
                 return True
 
-    def _run(self, plan, t0: float) -> None:
+    def _send_plan(self, plan) -> None:
+        """Send a step's StepPlan to every rank."""
         max_pages = max(len(s.pages) for s in plan.seqs)
         arrays = plan.to_arrays(max_pages)
         new_sampling = {}
@@ -357,6 +374,9 @@ class Coordinator:
         frames = step.to_frames()
         for r in range(self.tp):
             self._sock.send_multipart([f"rank{r}".encode()] + frames, copy=False)
+
+    def _complete(self, plan, t0: float) -> None:
+        """Wait for a sent step's result and commit it (t0: when this loop pass began)."""
         t_sent = time.perf_counter()
         result = self._await_result(plan.step)
         t_result = time.perf_counter()

@@ -25,6 +25,9 @@ from runtime.config import PAGE_SIZE
 from runtime.sequence import Sequence, Status, new_spec_stats, record_round
 
 
+LAST_SAMPLED = -1     # a token id in a step planned ahead: the token the ranks sampled for it last step
+
+
 class Overloaded(RuntimeError):
     """The pending queue is full; the caller should retry later."""
 
@@ -59,6 +62,9 @@ class Plan:
     new: list[Sequence] = field(default_factory=list)        # first step of these sequences
     released: list[int] = field(default_factory=list)        # ended since the last plan
     drafts: list[int] | None = None                          # speculation: draft columns per sequence
+    # a step planned ahead (Scheduler.plan_ahead): each sequence's position, and its token is the one
+    # the ranks sampled for it in the step before (token id -1 in the message)
+    starts: list[int] | None = None
 
     def to_arrays(self, max_pages: int) -> dict[str, np.ndarray]:
         B = len(self.seqs)
@@ -67,6 +73,9 @@ class Plan:
         drafts = self.drafts or [0] * B
         for b, (s, c) in enumerate(zip(self.seqs, self.columns)):
             tables[b, :len(s.pages)] = s.pages
+            if self.starts is not None:
+                tokens.append(LAST_SAMPLED)
+                continue
             n = drafts[b]
             tokens.extend(s.token(i) for i in range(s.computed, s.computed + c - n))
             tokens.extend(s.drafts[:n])
@@ -80,7 +89,8 @@ class Plan:
         return dict(**spec,
             seq_ids=np.array([s.id for s in self.seqs], dtype=np.int64),
             columns=np.array(self.columns, dtype=np.int32),
-            starts=np.array([s.computed for s in self.seqs], dtype=np.int32),
+            starts=np.array(self.starts if self.starts is not None else [s.computed for s in self.seqs],
+                            dtype=np.int32),
             slots=np.array([s.slot for s in self.seqs], dtype=np.int32),
             page_tables=tables,
             token_ids=np.array(tokens, dtype=np.int32),
@@ -177,6 +187,40 @@ class Scheduler:
             return None
         self.step += 1
         return Plan(self.step, seqs, columns, sample, new=new, released=released, drafts=drafts)
+
+    def plan_ahead(self, inflight: Plan) -> Plan | None:
+        """The decode step after `inflight`, planned before its result is back, so that the ranks find
+        it queued when they finish `inflight` (the coordinator's round trip leaves the step's critical
+        path). Each sequence of `inflight` that samples in it and can take another token decodes one
+        column at the position after `inflight`'s, fed with the token the ranks sampled for it there.
+
+        None (plan normally once `inflight` is committed) when that needs the result: speculation,
+        a sequence of `inflight` that does not sample or whose next token the thinking budget may
+        replace, a running sequence not in `inflight` (a prompt still waiting for its chunk), or a
+        waiting request that could be admitted now. A sequence that ends by length in `inflight` is
+        left out; one that ends otherwise (a stop id) costs the ranks one wasted column, which
+        commit() ignores (the sequence is done by then)."""
+        if self.config.spec_draft_tokens or inflight.drafts is not None:
+            return None
+        if self.waiting and self.free_slots and self.pages_for(self.waiting[0]) <= len(self.free_pages):
+            return None
+        planned = {s.id for s in inflight.seqs}
+        if any(s.id not in planned for s in self.running):
+            return None
+        seqs, starts = [], []
+        for s, c, smp in zip(inflight.seqs, inflight.columns, inflight.sample):
+            if s.done:
+                continue
+            if not smp or s.thinking or s.computed + c != s.length:
+                return None
+            if len(s.output) + 2 > s.max_new_tokens:     # its last token comes from `inflight`
+                continue
+            seqs.append(s), starts.append(s.computed + c)
+        if not seqs:
+            return None
+        released, self.released = self.released, []
+        self.step += 1
+        return Plan(self.step, seqs, [1] * len(seqs), [True] * len(seqs), released=released, starts=starts)
 
     def commit(self, plan: Plan, sampled: dict[int, int | list[int]],
                drafts: dict[int, list[int]] | None = None) -> list[tuple[Sequence, list[int], str | None]]:

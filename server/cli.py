@@ -158,6 +158,9 @@ def add_serve_parser(sub) -> None:
                    help="tokens of KV in the pool (default max-concurrency x max-context)")
     s.add_argument("--threads-per-rank", type=_positive_int, default=None,
                    help="torch threads per rank process (default 1)")
+    s.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
+                   help="plan each step only after the previous one's result (default: the next decode step "
+                        "is planned and queued while one runs)")
     s.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer or x-api-key); default $TANDEM_API_KEY")
     s.add_argument("--model-id", default=None, help="model name clients use (default: the model directory's name)")

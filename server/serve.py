@@ -91,7 +91,8 @@ def serve(args, argv: list[str]) -> int:
                             log_level=args.log_level, spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
                             backend=args.backend,
                             weights=args.weights, kv_dtype=args.kv_dtype, cuda_graphs=args.cuda_graphs,
-                            random_weights=args.random_weights, transport=args.transport)
+                            random_weights=args.random_weights, transport=args.transport,
+                            overlap_steps=args.overlap_steps)
     model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")
     try:
         request_log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None

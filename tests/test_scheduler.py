@@ -342,3 +342,126 @@ def test_random_workload_keeps_the_books(seed):
         sched.cancel(s)
     check_books(sched)
     assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps planned ahead (the coordinator's overlapped loop)
+
+
+def _overlapped_run(seed: int, overlap: bool) -> tuple[dict[int, list[int]], int]:
+    """The coordinator's loop on a random workload (arrivals per committed step, stop ids, lengths)
+    with simulated ranks: plans reach them in send order, as arrays built at send time; a token id -1
+    is what they sampled for that sequence last; the token sampled at position p of sequence k is
+    (k * 7919 + p * 104729) % 256. -> (outputs by arrival index, steps planned ahead)."""
+    rng = random.Random(seed)
+    c = cfg(max_concurrency=4, max_pending=256, prefill_chunk=rng.choice([8, 64]), max_step_tokens=rng.choice([6, 80]),
+            kv_pages=rng.choice([10, 40]), max_context=1024)
+    sched = Scheduler(c)
+    seqs: list[Sequence] = []
+    fed: dict[int, list[int]] = {}
+    last: dict[int, int] = {}
+    ahead_steps = 0
+
+    def send(plan) -> dict:
+        return plan.to_arrays(max(len(s.pages) for s in plan.seqs))
+
+    def execute(arrays) -> dict[int, int]:
+        sampled, at = {}, 0
+        for sid, n, start, flag in zip(arrays["seq_ids"].tolist(), arrays["columns"].tolist(),
+                                       arrays["starts"].tolist(), arrays["sample"].tolist()):
+            toks = [last[sid] if t == -1 else t for t in arrays["token_ids"][at:at + n].tolist()]
+            at += n
+            assert start == len(fed.setdefault(sid, [])), "a step starts where the ranks' state is not"
+            fed[sid] += toks
+            if flag:
+                last[sid] = sampled[sid] = (sid * 7919 + (start + n) * 104729) % 256
+        return sampled
+
+    inflight = None
+    for step in range(1200):
+        if step < 400:
+            for _ in range(rng.choice([0, 0, 0, 0, 0, 1])):
+                k = len(seqs) + 1
+                s = Sequence(id=k, prompt=[(k * 31 + i) % 256 for i in range(rng.randint(1, 60))],
+                             params=SamplingParams(temperature=0), seed=0, max_new_tokens=rng.randint(1, 30),
+                             stop_ids=frozenset({rng.randrange(256)}))
+                if sched.pages_for(s) <= c.kv_pages:
+                    sched.add(s)
+                    seqs.append(s)
+        if inflight is None:
+            plan = sched.schedule()
+            if plan is None:
+                continue
+            inflight = (plan, send(plan))
+        ahead = None
+        if overlap:
+            a = sched.plan_ahead(inflight[0])
+            if a is not None:
+                assert a.starts == [s.computed + c for s, c in zip(inflight[0].seqs, inflight[0].columns)
+                                    if s in a.seqs]
+                ahead, ahead_steps = (a, send(a)), ahead_steps + 1
+        sched.commit(inflight[0], execute(inflight[1]))
+        check_books(sched)
+        inflight = ahead
+    assert not sched.running and not sched.waiting and inflight is None
+    for s in seqs:
+        full = s.prompt + s.output
+        assert s.done and fed[s.id] == full[:len(fed[s.id])] and len(fed[s.id]) >= len(full) - 1
+        assert s.output == [(s.id * 7919 + (len(s.prompt) + i) * 104729) % 256 for i in range(len(s.output))]
+    return {s.id: s.output for s in seqs}, ahead_steps
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_steps_planned_ahead_give_every_sequence_the_same_tokens(seed):
+    plain, none = _overlapped_run(seed, overlap=False)
+    overlapped, ahead = _overlapped_run(seed, overlap=True)
+    assert none == 0 and ahead > 20, ahead
+    assert overlapped == plain
+
+
+def test_plan_ahead_waits_for_what_needs_the_result():
+    def started(*seqs_, **kw):
+        sched = Scheduler(cfg(**kw))
+        for s in seqs_:
+            sched.add(s)
+        return sched
+    # a decode step: planned ahead at the next positions, tokens left to the ranks (-1)
+    a, b = seq(5, 10), seq(3, 10)
+    sched = started(a, b)
+    plan, _ = run_step(sched)                         # both prompts in one step, both sample
+    inflight = sched.schedule()
+    ahead = sched.plan_ahead(inflight)
+    assert plan_of(ahead) == [(a.id, 1, True), (b.id, 1, True)] and ahead.starts == [6, 4]
+    arrays = ahead.to_arrays(2)
+    assert arrays["token_ids"].tolist() == [-1, -1] and arrays["starts"].tolist() == [6, 4]
+    assert ahead.step == inflight.step + 1
+    # a sequence whose last token comes from the step in flight is left out
+    c_ = seq(4, 2)
+    sched = started(c_, seq(4, 10))
+    run_step(sched)
+    inflight = sched.schedule()
+    assert [s.id for s in sched.plan_ahead(inflight).seqs] == [inflight.seqs[1].id]
+    # a prompt chunk that does not sample, or a prompt still waiting for its chunk
+    sched = started(seq(100, 5), prefill_chunk=64)
+    assert sched.plan_ahead(sched.schedule()) is None
+    sched = started(seq(4, 9), seq(200, 5), prefill_chunk=64, max_step_tokens=64)
+    run_step(sched)
+    assert sched.plan_ahead(sched.schedule()) is None
+    # an admissible waiting request; a full engine does not wait for it
+    sched = started(seq(4, 9))
+    inflight = sched.schedule()
+    sched.add(seq(4, 9))
+    assert sched.plan_ahead(inflight) is None
+    sched = started(seq(4, 9), max_concurrency=1)
+    run_step(sched)
+    sched.add(seq(4, 9))
+    assert sched.plan_ahead(sched.schedule()) is not None
+    # the thinking budget may replace the next token; speculation plans its own rounds
+    s = Sequence(id=next(_ids), prompt=[1, 2, 3], params=SamplingParams(temperature=0, thinking_budget=4,
+                 thinking_end_ids=(9,), thinking_close_ids=(9,)), seed=0, max_new_tokens=9, stop_ids=frozenset())
+    sched = started(s)
+    run_step(sched)
+    assert sched.plan_ahead(sched.schedule()) is None
+    sched = started(seq(4, 9), spec_draft_tokens=2)
+    run_step(sched)
+    assert sched.plan_ahead(sched.schedule()) is None

@@ -18,7 +18,9 @@ slowest rank's. Prints a table with the ratio to tp 1 and the fraction of the fl
 wrong, only its time counts): 1 - that step / the mailbox step is the all-reduce share of a tp 2 step.
 Each row also splits the step's wall time on the host (the engine's stats()["step_time"], averaged
 over all steps of the timed run, prefill included): rank 0 inside its step (inputs, forward, sampling),
-the messaging around it, and the coordinator's own work.
+the messaging around it (wait - rank 0's step: negative when steps are planned ahead, as rank 0 then
+starts a step before the coordinator waits for it), and the coordinator's own work; and the share of steps planned ahead
+(EngineOptions.overlap_steps; --no-overlap-steps plans each step after the previous one's result).
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 
 def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concurrency: list[int],
-        prompt_len: int, new_tokens: int) -> tuple[dict, dict]:
-    """({C: step_s, wall_s}, {rank: its step_bytes parts (Ready)})."""
+        prompt_len: int, new_tokens: int, overlap_steps: bool = True) -> tuple[dict, dict]:
+    """({C: step_s, wall_s, host}, {rank: its step_bytes parts (Ready)})."""
     opts = EngineOptions(max_concurrency=max(concurrency), random_weights=True, weights=weights,
-                         transport=transport, max_context=prompt_len + new_tokens + 8, startup_timeout_s=900)
+                         transport=transport, max_context=prompt_len + new_tokens + 8, startup_timeout_s=900,
+                         overlap_steps=overlap_steps)
     out = {}
     with Engine.start(model_dir, tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
         step_bytes = {r: info.get("step_bytes") for r, info in engine.stats().get("ranks", {}).items()}
@@ -60,7 +63,7 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
                 if evs[-1].error:
                     raise RuntimeError(evs[-1].error)
                 results[i] = evs[-1].timings
-            st0 = engine.stats()["step_time"]
+            st0 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"])
             t0 = time.perf_counter()
             threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
             for t in threads:
@@ -70,9 +73,9 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
             wall = time.perf_counter() - t0
             first = max(r["ttft_s"] for r in results)
             last = max(r["total_s"] for r in results)
-            st1 = engine.stats()["step_time"]
+            st1 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"])
             n = max(st1["steps"] - st0["steps"], 1)
-            host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s")}
+            host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s", "ahead")}
             out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall, host=host)
     return out, step_bytes
 
@@ -88,6 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--share", action="store_true", help="also time tp 2 with the all-reduces skipped")
+    ap.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
+                    help="plan each step after the previous one's result (EngineOptions.overlap_steps=False)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = text_config(args.model, num_layers=args.layers)
@@ -102,6 +107,7 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     context = args.prompt_len + args.new_tokens // 2              # the mean context of the timed steps
     res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"),
+               overlap_steps=args.overlap_steps,
                device=torch.cuda.get_device_name(0), read_Bps=bw, context=context, runs=[])
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bw / 1e12:.2f} TB/s (GPU 0)", flush=True)
     for weights in args.weights:
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
                     if transport == "skip":
                         os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
                     r, parts = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
-                            weights, args.concurrency, args.prompt_len, args.new_tokens)
+                            weights, args.concurrency, args.prompt_len, args.new_tokens, args.overlap_steps)
                 except Exception as e:                     # report and go on with the other configurations
                     print(f"{weights} tp {tp} {transport}: failed: {e}", flush=True)
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, error=str(e)))
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
                           f"{floor / step:6.1%} of floor  | per step: rank 0 in its step "
                           f"{host['rank_s'] * 1e3:.2f} ms, messaging "
                           f"{(host['wait_s'] - host['rank_s']) * 1e3:.2f}, coordinator "
-                          f"{host['coordinator_s'] * 1e3:.2f}", flush=True)
+                          f"{host['coordinator_s'] * 1e3:.2f}; planned ahead {host['ahead']:.0%}", flush=True)
         for C in args.concurrency:
             steps = {x["transport"]: x["step_s"] for x in res["runs"]
                      if x.get("C") == C and x["tp"] == 2 and x["weights"] == weights}
