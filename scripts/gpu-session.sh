@@ -21,12 +21,14 @@
 #                                        timing runs' clocks; the key metrics per kernel last
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
+#   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
+#                                        steps planned ahead and without, and where each step's host time goes
 #
 # Each part writes JSON files under OUT and prints a short table last. Timeouts keep every part
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|probe|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|probe|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -81,6 +83,12 @@ case "$PART" in
     timeout 150 python $B/spec.py --model 27b --tp 2 --draft-tokens 0 3 --concurrency 1 --new-tokens 64 \
         --rounds gpu eager --out "$OUT/spec-27b-tp2.json" > "$OUT/spec-27b.txt" 2>&1
     for f in allreduce decode-tp spec-27b; do echo "== $f"; tail -14 "$OUT/$f.txt"; done ;;
+  engine)
+    timeout 170 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox --concurrency 1 8 \
+        --new-tokens 48 --out "$OUT/engine-ahead.json" > "$OUT/engine-ahead.txt" 2>&1
+    timeout 170 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox --concurrency 1 8 \
+        --new-tokens 48 --no-overlap-steps --out "$OUT/engine-plain.json" > "$OUT/engine-plain.txt" 2>&1
+    for f in engine-ahead engine-plain; do echo "== $f"; grep -E "tp [12] " "$OUT/$f.txt" | cut -c1-260; done ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1
@@ -97,5 +105,5 @@ case "$PART" in
         > "$OUT/ncu.txt" 2>&1
     grep -E "^(gate_up|down) |^  gemv_|Duration|DRAM Throughput|One or More Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Waves Per SM" \
         "$OUT/ncu.txt" | cut -c1-150 ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, probe, ncu)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, probe, ncu)" >&2; exit 2 ;;
 esac
