@@ -70,6 +70,7 @@ PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # its loads in flight for as long as it has steps, so fewer, longer warps should beat the old rule's 4
 # blocks per SM as long as every SM gets two (a guess: scripts/bench/linear.py --variants --ks 1 2 4 8).
 PIPE_BLOCKS_PER_SM = 2
+PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
 
 
 def gemv_variant() -> str:
@@ -217,7 +218,10 @@ def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) 
     ks_cap = 1
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
-    ks = _pick_ks(tiles, ks_cap, sm_count, PIPE_BLOCKS_PER_SM)
+    per_sm = os.environ.get(PIPE_BLOCKS_ENV)
+    if per_sm and not (per_sm.isdigit() and 1 <= int(per_sm) <= 8):
+        raise L.KernelError(f"{PIPE_BLOCKS_ENV}={per_sm!r}: expected 1..8")
+    ks = _pick_ks(tiles, ks_cap, sm_count, int(per_sm) if per_sm else PIPE_BLOCKS_PER_SM)
     if kind == "nvfp4" and T == 1 and FORCE_KS is None and ks_rule() == "wide":
         ks = ks_cap
     blocks = -(-tiles // (WARPS // ks))

@@ -167,3 +167,13 @@ def test_ks_rules_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.KS_ENV, "widest")
     with pytest.raises(KernelError, match="TANDEM_GEMV_KS"):
         r(5120, 5120, 1, "nvfp4")
+
+
+def test_pipelined_blocks_per_sm_from_the_environment(monkeypatch):
+    monkeypatch.setenv(cl.PIPE_BLOCKS_ENV, "4")      # q_proj 768 tiles: ks 8 -> 768 blocks >= 4 x 132
+    assert cl.route(12288, 5120, 1, "nvfp4", SM, variant="pipelined")["ks"] == 8
+    monkeypatch.setenv(cl.PIPE_BLOCKS_ENV, "1")      # ks 2 -> 192 blocks >= 132
+    assert cl.route(12288, 5120, 1, "nvfp4", SM, variant="pipelined")["ks"] == 2
+    monkeypatch.setenv(cl.PIPE_BLOCKS_ENV, "many")
+    with pytest.raises(KernelError, match="TANDEM_GEMV_PIPE_BLOCKS"):
+        cl.route(12288, 5120, 1, "nvfp4", SM, variant="pipelined")
