@@ -68,7 +68,9 @@ PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # gemv_*_pipe: ks is the smallest of 1, 2, 4, 8 giving at least this many blocks per SM. An SM holds up
 # to 4 of its blocks (64 registers, 44 KiB of shared memory each; 2 on sm_86/89/120), and a warp keeps
 # its loads in flight for as long as it has steps, so fewer, longer warps should beat the old rule's 4
-# blocks per SM as long as every SM gets two (a guess: scripts/bench/linear.py --variants --ks 1 2 4 8).
+# blocks per SM as long as every SM gets two. Measured in the ninth session (docs/perf.md, 27B nvfp4
+# step, TANDEM_GEMV_PIPE_BLOCKS): 2 beat 4 (tp 1: 9.52 against 9.68 ms; tp 2: 7.20 against 7.39) and 1
+# (tp 1: 11.42 ms).
 PIPE_BLOCKS_PER_SM = 2
 PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
 
