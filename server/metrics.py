@@ -29,7 +29,7 @@ from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 MAX_CLIENT_LABELS = 64
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -149,6 +149,11 @@ class _EngineCollector:
             g.add_metric(values, float(value))
             return g
 
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, float(value))
+            return c
+
         used, total = stats.get("pages_used", 0), stats.get("pages_total", 0)
         yield gauge("vllm:num_requests_running", "Requests in the engine's running batch", stats.get("running", 0))
         yield gauge("vllm:num_requests_waiting", "Requests waiting for a slot", stats.get("waiting", 0))
@@ -159,6 +164,19 @@ class _EngineCollector:
         yield gauge("tandem_engine_healthy", "1 while the engine serves", 1.0 if stats.get("healthy") else 0.0)
         yield gauge("tandem_http_requests_in_flight", "Generation requests the frontend is running",
                     m.in_flight_fn() if m.in_flight_fn else 0)
+        if "steps" in stats:                                          # engine totals since start
+            yield counter("tandem_engine_steps", "Steps the engine ran", stats["steps"])
+            yield counter("tandem_engine_steps_ahead", "Decode steps planned and sent while the previous one ran",
+                          stats.get("steps_ahead", 0))
+        st = stats.get("step_time")
+        if isinstance(st, dict):
+            c = CounterMetricFamily("tandem_engine_step_seconds", "Wall time of the engine's steps by part: "
+                                    "coordinator (its own work), wait (for rank 0's result), rank0 (rank 0 "
+                                    "inside its steps; part of the wait without steps planned ahead)",
+                                    labels=labels + ["part"])
+            for part, key in (("coordinator", "coordinator_s"), ("wait", "wait_s"), ("rank0", "rank_s")):
+                c.add_metric(values + [part], float(st.get(key, 0.0)))
+            yield c
         spec = stats.get("spec")                                      # engine totals, with speculation on
         if isinstance(spec, dict) and "accepted" in spec and "drafted" in spec:
             drafted = spec["drafted"]

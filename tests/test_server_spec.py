@@ -94,6 +94,9 @@ def test_spec_stats_in_metrics_and_request_log(tmp_path):
     # every request reached the engine's final event, so the engine's global totals agree too
     assert {k: stats["spec"][k] for k in total} == total
     assert _value(metrics, "tandem_spec_acceptance_rate") == pytest.approx(total["accepted"] / total["drafted"])
+    # speculation rounds are never planned ahead
+    assert _value(metrics, "tandem_engine_steps_total") == stats["steps"] > 0
+    assert _value(metrics, "tandem_engine_steps_ahead_total") == stats["steps_ahead"] == 0
 
 
 def test_no_spec_fields_with_speculation_off(tmp_path):
@@ -105,3 +108,9 @@ def test_no_spec_fields_with_speculation_off(tmp_path):
     assert _value(metrics, "tandem_spec_draft_tokens_total") == 0
     assert "tandem_spec_position_draft_tokens_total{" not in metrics
     assert "tandem_spec_acceptance_rate" not in metrics
+    # the engine's step counters: decode steps planned ahead, and the steps' wall time by part
+    assert _value(metrics, "tandem_engine_steps_total") == stats["steps"] > 0
+    assert 0 < _value(metrics, "tandem_engine_steps_ahead_total") == stats["steps_ahead"] < stats["steps"]
+    for part, key in (("coordinator", "coordinator_s"), ("wait", "wait_s"), ("rank0", "rank_s")):
+        assert _value(metrics, "tandem_engine_step_seconds_total", part=part) == pytest.approx(stats["step_time"][key])
+        assert stats["step_time"][key] > 0
