@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-step-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
+                    help="plan each step after the previous one's result (EngineOptions.overlap_steps=False)")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             opts = EngineOptions(max_concurrency=max(args.concurrency), prefill_chunk=args.prefill_chunk,
                                  max_step_tokens=max(args.max_step_tokens, max(args.concurrency)),
                                  max_context=max(args.prompt_len, args.decode_prompt_len + args.new_tokens) + 1,
-                                 threads_per_rank=args.threads_per_rank or None)
+                                 threads_per_rank=args.threads_per_rank or None, overlap_steps=args.overlap_steps)
             t = time.perf_counter()
             with Engine.start(model_dir, tp=tp, options=opts) as engine:
                 start_s = time.perf_counter() - t
