@@ -91,7 +91,9 @@ class RequestLog:
     def _throughput_loop(self, stats_fn: Callable[[], dict], interval_s: float) -> None:
         gpus = _Nvml()
         last, t_last = {}, time.monotonic()
-        counters = ("prompt_tokens", "generated_tokens", "finished", "failed", "cancelled", "requests", "steps")
+        counters = ("prompt_tokens", "generated_tokens", "finished", "failed", "cancelled", "requests", "steps",
+                    "steps_ahead")
+        last_time: dict = {}
         gauges = ("running", "waiting", "slots_used", "pages_used", "pages_total")
         try:
             while not self._stop.wait(interval_s):
@@ -108,6 +110,14 @@ class RequestLog:
                     fields["generation_tok_s"] = round(deltas["generated_tokens"] / dt, 2)
                 if "prompt_tokens" in deltas and dt > 0:
                     fields["prompt_tok_s"] = round(deltas["prompt_tokens"] / dt, 2)
+                st = stats.get("step_time")
+                if isinstance(st, dict):
+                    n = st.get("steps", 0) - last_time.get("steps", 0)
+                    if n > 0:                   # where the interval's steps went, ms per step
+                        fields["step_ms"] = {part: round((st.get(key, 0.0) - last_time.get(key, 0.0)) / n * 1e3, 3)
+                                             for part, key in (("coordinator", "coordinator_s"), ("wait", "wait_s"),
+                                                               ("rank0", "rank_s"))}
+                    last_time = dict(st)
                 if stats.get("healthy") is False:
                     fields["healthy"] = False
                 g = gpus.read()

@@ -505,6 +505,10 @@ def test_serve_finishes_in_flight_work_on_sigterm_exits_0_and_leaves_no_rank_beh
     assert names.count("request_done") == 3 and "throughput" in names
     tp = [e for e in events if e["event"] == "throughput" and "running" in e]     # (the first may predate the engine)
     assert tp and {"interval_s", "pages_total", "generated_tokens_delta"} <= set(tp[-1])
+    busy = [e for e in tp if e.get("steps_delta", 0) > 0]
+    assert busy and all(set(e["step_ms"]) == {"coordinator", "wait", "rank0"} and "steps_ahead_delta" in e
+                        for e in busy)
+    assert all(e["step_ms"]["wait"] > 0 and e["step_ms"]["rank0"] > 0 for e in busy)
 
 
 def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_not_a_cut(tmp_path):
