@@ -65,18 +65,24 @@ class GraphRunner:
             return None
         return (len(batch.columns), T, pow2(pages_needed(batch)), logits, id(state), keep)
 
-    def run(self, batch: Batch, state, logits: str, keep: bool = False) -> StepOutput | None:
+    def run(self, batch: Batch, state, logits: str, keep: bool = False,
+            feed: tuple[Tensor, Tensor] | None = None) -> StepOutput | None:
         """Replay (capturing first if due) the graph of this batch's key, or run the step eagerly the
         first time a key is seen; None = not graphable (the caller runs it). keep: a verification
-        step (the output's KeptColumns is the template: forward fills in the sequences)."""
-        from ranks.model_cuda import DeviceBatch
+        step (the output's KeptColumns is the template: forward fills in the sequences). feed:
+        (columns, ids) on the device, written over the uploaded ids (CudaHybridModel.forward)."""
+        from ranks.model_cuda import DeviceBatch, apply_feed
         key = self.key(batch, state, logits, keep)
         if key is None:
             return None
         B, T, P = key[0], key[1], key[2]
+
+        def upload(storage: Tensor | None) -> Tensor:
+            storage = self.model.device_batch(batch, P, storage=storage).storage
+            apply_feed(storage, feed)
+            return storage
         out = self.run_keyed(
-            key, state, DeviceBatch.words(B, B * T, P),
-            lambda storage: self.model.device_batch(batch, P, storage=storage).storage,
+            key, state, DeviceBatch.words(B, B * T, P), upload,
             lambda storage: self.model.fast_forward(DeviceBatch.on(storage, B, B * T, P, P * PAGE_TOKENS), state,
                                                     logits, keep_T=T if keep else None))
         return None if out is None else StepOutput(out.hidden, out.logits, out.kept)

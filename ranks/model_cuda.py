@@ -134,6 +134,14 @@ class DeviceBatch:
         return np.concatenate([np.asarray(p).astype(np.int32, copy=False).reshape(-1) for p in parts])
 
 
+def apply_feed(storage: Tensor, feed: tuple[Tensor, Tensor] | None) -> None:
+    """Write fed ids into a step's uploaded metadata (ids are its first words: DeviceBatch.pack), on
+    the stream, after the upload."""
+    if feed is not None:
+        cols, ids = feed
+        storage.index_copy_(0, cols, ids.to(torch.int32))
+
+
 def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -182,9 +190,20 @@ class CudaHybridModel(HybridModel):
     # ----------------------------------------------------------------------------------------------
     # Entry points
 
+    def feeds(self, columns: list[int]) -> bool:
+        """Whether forward takes `feed` for a step of these columns (the fast program's steps)."""
+        return max(columns) <= MAX_FAST_COLUMNS
+
     @torch.inference_mode()
-    def forward(self, batch: Batch, state: ModelState, logits="last", keep_columns=False) -> StepOutput:
+    def forward(self, batch: Batch, state: ModelState, logits="last", keep_columns=False,
+                feed: tuple[Tensor, Tensor] | None = None) -> StepOutput:
+        """feed (device-fed steps, ranks/worker.py): (columns, ids), int64 on this device: those input
+        columns take those ids instead of the batch's, written into the step's metadata on the stream
+        after its upload, so the step may be launched before the ids are known on the host."""
         flags = [keep_columns] * len(batch.columns) if isinstance(keep_columns, bool) else list(keep_columns)
+        if feed is not None and (any(flags) or not self.feeds(batch.columns)):
+            raise ValueError("a fed step must be a plain step of the fast program (at most "
+                             f"{MAX_FAST_COLUMNS} columns per sequence, no verification columns)")
         if any(flags) and not all(flags) and all(f or c == 1 for f, c in zip(flags, batch.columns)):
             # a speculation step with some undrafted one-column sequences: keep those too (committing
             # a = 0 installs exactly their one-column state), so the step stays on the fast path
@@ -206,11 +225,12 @@ class CudaHybridModel(HybridModel):
         with torch.cuda.device(self.device_index):
             out = None
             if self.graphs is not None and logits != "all" and (uniform or not keep):
-                out = self.graphs.run(batch, state, logits, keep=keep)
+                out = self.graphs.run(batch, state, logits, keep=keep, feed=feed)
             if out is None:
                 # the same page-table width as a graph of this batch would use: same attention splits,
                 # so eager and replayed steps give the same bits
                 db = self.device_batch(batch, pow2(pages_needed(batch)))
+                apply_feed(db.storage, feed)
                 if keep and uniform:
                     out = self.fast_forward(db, state, logits, keep_T=batch.columns[0])
                 else:

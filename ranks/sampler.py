@@ -223,10 +223,11 @@ def _argmax_lowest(values: Tensor) -> int:
 
 
 def local_candidates(logits: Tensor, samplers: list[SeqSampler], positions: list[int], rows: list[int], offset: int,
-                     batched: bool | None = None) -> Tensor:
+                     batched: bool | None = None, on_host: bool = True) -> Tensor:
     """[L, 2] float32 on the CPU: (score, offset + index) of the best token of each of `rows` in this
     shard, the score float32(penalised logits / T + Gumbel(seed, position)) (greedy: no noise), ties to
-    the lower index (a NaN counts as the maximum). samplers / positions: one per row.
+    the lower index (a NaN counts as the maximum). samplers / positions: one per row. on_host=False
+    (batched only): left on the logits' device, no host synchronisation (device-fed steps).
 
     batched (default: the logits are on a GPU): every row in one batch of device operations (each
     row's noise at once: gumbel_rows) and one copy to the host, instead of a few launches and two host
@@ -245,7 +246,9 @@ def local_candidates(logits: Tensor, samplers: list[SeqSampler], positions: list
             k = _argmax_lowest(row)
             cand[j, 0], cand[j, 1] = row[k], offset + k
         return cand
-    x = logits[rows].double()
+    # every row in order (a decode step's usual case) needs no index: a list index is a host-to-device
+    # copy that waits for the device, which device-fed steps must not
+    x = (logits if rows == list(range(logits.shape[0])) else logits[rows]).double()
     for j, s in enumerate(samplers):
         if s.has_penalties and s.seen:
             x[j] = apply_penalties(x[j], s, offset)
@@ -259,7 +262,26 @@ def local_candidates(logits: Tensor, samplers: list[SeqSampler], positions: list
             x[hot] = x[hot] / temps[:, None] + noise
     score = x.float()                    # the exchange carries float32: decide on float32 at any tp
     k = torch.argmax(score, dim=-1)      # the first maximum: ties to the lower index (a NaN counts as one)
-    return torch.stack([score.gather(-1, k[:, None])[:, 0], (k + offset).float()], dim=1).cpu()
+    cand = torch.stack([score.gather(-1, k[:, None])[:, 0], (k + offset).float()], dim=1)
+    return cand.cpu() if on_host else cand
+
+
+def merge_on_device(cand: Tensor, rank: int, tp: int, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """Every rank's candidates [L, 2] (local_candidates) -> [L, 2] float32 (best score, token id), the
+    same on every rank and on the candidates' device, with no host synchronisation: each rank puts
+    its candidates in its own slot of an otherwise zero [tp, L, 2] buffer and one all-reduce (a sum:
+    x + 0 = x exactly, ids < 2**24 exact in float32) hands every rank all of them; the largest score
+    wins, ties to the lower id: what sample_rows decides on the host. A NaN score leaves the id
+    +inf (the caller checks the score). Collective (tp > 1)."""
+    if tp == 1:
+        return cand
+    buf = cand.new_zeros((tp, *cand.shape))
+    buf[rank] = cand
+    allc = all_reduce(buf.view(-1)).view(buf.shape)
+    vals, ids = allc[..., 0], allc[..., 1]
+    best = vals.max(0).values
+    pick = torch.where(vals == best, ids, torch.full_like(ids, float("inf"))).min(0).values
+    return torch.stack([best, pick], dim=1)
 
 
 def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int], *, rank: int, tp: int,

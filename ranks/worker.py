@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,8 +28,8 @@ import zmq
 
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
-from ranks.sampler import (SeqSampler, accept_greedy, accept_sampled, argmax_rows, gather_log_probs, sample_rows,
-                           with_tokens)
+from ranks.sampler import (SeqSampler, _nan_row, accept_greedy, accept_sampled, argmax_rows, gather_log_probs,
+                           local_candidates, merge_on_device, sample_rows, with_tokens)
 from ranks.backend import choose_backend
 from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
@@ -40,6 +41,29 @@ from transport.mailbox import Mailbox
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Pending:
+    """A step whose tokens were chosen on the device and are still on their way to the host."""
+    plan: msg.StepPlan
+    seq_ids: list[int]
+    rows: list[int]                     # the batch rows it sampled
+    ids: torch.Tensor                   # int64 [R] on the model's device: what a fed step takes
+    host: torch.Tensor                  # float32 [R, 2] (score, id): pinned on a GPU, filled by the copy
+    ready: "torch.cuda.Event | None"    # recorded after the copy (None on the CPU: nothing is pending)
+    t0: float
+    fed: bool                           # its own inputs came from the device
+
+
+def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] without a host synchronisation: no index when the rows are all of t's in order (a decode
+    step), else an index through pinned memory (a Python list index copies from pageable memory,
+    which waits for the device)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    idx = torch.tensor(rows, dtype=torch.int64)
+    if t.device.type == "cuda":
+        idx = idx.pin_memory().to(t.device, non_blocking=True)
+    return t.index_select(0, idx)
 
 
 class Worker:
@@ -80,6 +104,10 @@ class Worker:
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
         self.last_sampled: dict[int, int] = {}            # per sequence, its token sampled last (steps planned ahead)
+        # device-fed steps (submit); off by default until measured on a GPU (docs/perf.md)
+        self.device_feed = bool(opts.get("device_feed", False))
+        self.pending: _Pending | None = None
+        self.fed_steps = 0
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
         # the reduced proposal head: drafts only among token ids below this (0 = the whole vocabulary)
         from ranks.spec_cuda import draft_head_rows
@@ -144,37 +172,79 @@ class Worker:
             at += c
 
     def step(self, plan: msg.StepPlan) -> msg.StepResult | None:
+        """One step from start to finish: its result (rank 0), None on the other ranks."""
+        results = self.submit(plan) + self.flush()
+        return results[-1] if results else None
+
+    def submit(self, plan: msg.StepPlan) -> list[msg.StepResult]:
+        """Start a step; returns the results (rank 0) of the steps that finished meanwhile, oldest first.
+
+        Device-fed steps (`device_feed`, EngineOptions.device_feed): when no sampled row of the step
+        needs the whole distribution (greedy, or temperature alone, penalties or not), its tokens are
+        chosen on the device (candidates per vocabulary shard, merged by one all-reduce) and the step
+        is left pending: the host copy of its tokens arrives in the background. When the next plan,
+        planned ahead, feeds those tokens (LAST_SAMPLED), its inputs are taken from the device and
+        it is launched before this one's tokens reach the host; the pending step is finished after
+        that launch, so the GPU runs the two back to back. `flush` finishes a pending step."""
         if self.spec_k:
-            return self.spec_step(plan)
+            done = self.flush()
+            r = self.spec_step(plan)
+            return done + ([r] if r is not None else [])
         t0 = time.perf_counter()
         for sid, fields in plan.new_sampling.items():
             self.samplers[int(sid)] = SeqSampler(**fields)
         seq_ids = plan.seq_ids.tolist()
         columns, starts = plan.columns.tolist(), plan.starts.tolist()
         tokens = plan.token_ids.astype(np.int64)
-        if tokens.size and tokens.min() < 0:
+        last_fed = tokens.size > 0 and tokens.min() < 0
+        feed = self._feed(seq_ids, columns, tokens) if last_fed else None
+        done: list[msg.StepResult] = []
+        if feed is None:
+            done = self.flush()
+            if last_fed:
+                self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
+        batch_tokens = torch.from_numpy(np.maximum(tokens, 0))    # fed columns: overwritten from the device
+        batch = Batch(batch_tokens, columns, starts, plan.slots.tolist(),
+                      torch.from_numpy(plan.page_tables.astype(np.int32)))
+        if self.profiler is not None:
+            self.profiler.mark("prepared")
+        if feed is None:
+            out = self.model.forward(batch, self.state, logits="last")
+        elif self.backend == "cuda":
+            out = self.model.forward(batch, self.state, logits="last", feed=feed)
+        else:                                           # the CPU runs nothing ahead: patch the inputs
+            batch_tokens.index_copy_(0, feed[0], feed[1])
+            out = self.model.forward(batch, self.state, logits="last")
+        if self.profiler is not None:
+            self.profiler.mark("launched")
+        if feed is not None:                            # the previous step's tokens, while this one runs
+            done = self.flush()
             self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
+            self.fed_steps += 1
         at = 0
         for sid, c, s in zip(seq_ids, columns, starts):
             self.samplers[sid].observe(tokens[at:at + c].tolist(), s)
             at += c
-        batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
-                      torch.from_numpy(plan.page_tables.astype(np.int32)))
-        if self.profiler is not None:
-            self.profiler.mark("prepared")
-        out = self.model.forward(batch, self.state, logits="last")
-        if self.profiler is not None:
-            self.profiler.mark("launched")
         if self.transport is not None:
             self.transport.check()                      # a peer's hang shows here, not as garbage
         rows = [b for b, flag in enumerate(plan.sample.tolist()) if flag]
+        smp = [self.samplers[seq_ids[b]] for b in rows]
+        positions = [starts[b] + columns[b] for b in rows]
+        if rows and self.device_feed and not any(s.needs_full_distribution for s in smp):
+            self._pend(plan, seq_ids, rows, _take_rows(out.logits, rows).float(), smp, positions, t0,
+                       feed is not None)
+            return done
         sampled: list[int] = []
         if rows:
-            sampled = sample_rows(out.logits[rows].float(), [self.samplers[seq_ids[b]] for b in rows],
-                                  [starts[b] + columns[b] for b in rows], rank=self.rank, tp=self.tp,
+            sampled = sample_rows(_take_rows(out.logits, rows).float(), smp, positions, rank=self.rank, tp=self.tp,
                                   gather=self.mailbox.all_gather)
         if self.profiler is not None:
             self.profiler.mark("sampled")
+        result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None)
+        return done + ([result] if result is not None else [])
+
+    def _finish_step(self, plan: msg.StepPlan, seq_ids: list[int], rows: list[int], sampled: list[int],
+                     t0: float, fed: bool) -> msg.StepResult | None:
         for b, t in zip(rows, sampled):                 # what a step planned ahead feeds (every rank)
             self.last_sampled[seq_ids[b]] = t
         for sid in plan.finished:
@@ -183,7 +253,81 @@ class Worker:
         if self.rank != 0:
             return None
         return msg.StepResult(step=plan.step, seq_ids=np.array([seq_ids[b] for b in rows], dtype=np.int64),
-                              tokens=np.array(sampled, dtype=np.int64), elapsed_s=time.perf_counter() - t0)
+                              tokens=np.array(sampled, dtype=np.int64), elapsed_s=time.perf_counter() - t0,
+                              fed=fed)
+
+    # ---- device-fed steps ---------------------------------------------------------------------------
+
+    def _pend(self, plan: msg.StepPlan, seq_ids: list[int], rows: list[int], logits: torch.Tensor,
+              samplers: list[SeqSampler], positions: list[int], t0: float, fed: bool) -> None:
+        """Choose the step's tokens on the device and leave the step pending (see submit)."""
+        offset = self.rank * logits.shape[-1]
+        cand = local_candidates(logits, samplers, positions, list(range(len(rows))), offset, batched=True,
+                                on_host=False)
+        picked = merge_on_device(cand, self.rank, self.tp, self.model.all_reduce)      # [R, 2] (score, id)
+        # the ids the next step may take as inputs; a NaN row (refused when flushed) feeds id 0, never
+        # an index outside the embedding
+        ids = picked[:, 1].nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(0, self.spec.vocab_size - 1).long()
+        if self.backend == "cuda":
+            host = torch.empty(picked.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(picked, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = picked, None
+        self.pending = _Pending(plan, seq_ids, rows, ids, host, ready, t0, fed)
+
+    def _feed(self, seq_ids: list[int], columns: list[int], tokens: np.ndarray) -> tuple | None:
+        """(columns, ids) on the model's device: the step's LAST_SAMPLED columns and the pending
+        step's device ids that fill them; None when the pending step did not sample every one of
+        them, or the model cannot take a fed step of these columns (a prefill-sized step)."""
+        p = self.pending
+        if p is None or not self.model_feeds(columns):
+            return None
+        row_of = {p.seq_ids[b]: j for j, b in enumerate(p.rows)}
+        cols, src, at = [], [], 0
+        for sid, c in zip(seq_ids, columns):
+            for i in range(at, at + c):
+                if tokens[i] < 0:
+                    j = row_of.get(sid)
+                    if j is None:
+                        return None
+                    cols.append(i)
+                    src.append(j)
+            at += c
+        idx = torch.tensor([cols, src], dtype=torch.int64)
+        if self.backend == "cuda":                      # pinned, so the copy waits for nothing on the host
+            idx = idx.pin_memory().to(p.ids.device, non_blocking=True)
+        return idx[0], p.ids.index_select(0, idx[1])
+
+    def model_feeds(self, columns: list[int]) -> bool:
+        feeds = getattr(self.model, "feeds", None)
+        return True if feeds is None else feeds(columns)
+
+    def pending_ready(self) -> bool:
+        """True when flush() would not wait (no pending step, or its tokens are on the host)."""
+        p = self.pending
+        return p is None or p.ready is None or p.ready.query()
+
+    def flush(self) -> list[msg.StepResult]:
+        """Finish the pending step, if any: wait for its tokens on the host, record them; its result
+        (rank 0) in a list."""
+        p = self.pending
+        if p is None:
+            return []
+        self.pending = None
+        if p.ready is not None:
+            p.ready.synchronize()
+        if self.transport is not None:
+            self.transport.check()                      # tokens after a peer's hang are garbage: refuse them
+        scores, ids = p.host[:, 0].numpy(), p.host[:, 1].numpy()
+        bad = np.flatnonzero(np.isnan(scores))
+        if bad.size:
+            raise _nan_row(int(bad[0]))
+        if self.profiler is not None:
+            self.profiler.mark("sampled")
+        result = self._finish_step(p.plan, p.seq_ids, p.rows, ids.astype(np.int64).tolist(), p.t0, p.fed)
+        return [result] if result is not None else []
 
 
     # ---- speculation --------------------------------------------------------------------------------
@@ -535,11 +679,21 @@ def main(argv: list[str] | None = None) -> int:
         msg.send(sock, worker.ready())
         profiler = StepProfiler.from_env(args.rank) if worker.backend == "cuda" else None
         worker.profiler = profiler
+        kinds = (msg.StepPlan, msg.Cancel, msg.Shutdown)
         while not stop.is_set():
-            m = _recv_until(sock, stop, (msg.StepPlan, msg.Cancel, msg.Shutdown))
+            if worker.pending is None:
+                m = _recv_until(sock, stop, kinds)
+            else:                   # a step's tokens are on their way: the next plan, or them, first
+                m = _recv_or_ready(sock, stop, kinds, worker.pending_ready)
+                if m is _READY:
+                    for r in worker.flush():
+                        msg.send(sock, r)
+                    continue
             if m is None or isinstance(m, msg.Shutdown):
                 break
             if isinstance(m, msg.Cancel):
+                for r in worker.flush():                        # in order: the pending step first
+                    msg.send(sock, r)
                 for sid in m.seq_ids:
                     worker.samplers.pop(int(sid), None)
                     worker.last_sampled.pop(int(sid), None)
@@ -548,11 +702,11 @@ def main(argv: list[str] | None = None) -> int:
             step = current_step[0] = m.step
             if profiler is not None:
                 profiler.before_step()
-            result = worker.step(m)
+            results = worker.submit(m)
             if profiler is not None:
                 profiler.mark("computed")
-            if result is not None:
-                msg.send(sock, result)
+            for r in results:
+                msg.send(sock, r)
             if profiler is not None:
                 profiler.after_step()
         return 0
@@ -574,6 +728,24 @@ def main(argv: list[str] | None = None) -> int:
             worker.mailbox.close()
         sock.close()
         ctx.term()
+
+
+_READY = object()
+
+
+def _recv_or_ready(sock, stop: threading.Event, kinds, ready):
+    """The next message, or _READY once ready() (a pending step's tokens reached the host), whichever
+    comes first; None when stopping. Spins: the wait is a GPU step at most, and a message or the
+    tokens are acted on within microseconds."""
+    while not stop.is_set():
+        if sock.poll(0):
+            m = msg.recv(sock)
+            if isinstance(m, kinds):
+                return m
+            raise msg.ProtocolError(f"unexpected {type(m).__name__}")
+        if ready():
+            return _READY
+    return None
 
 
 def _recv_until(sock, stop: threading.Event, kinds):

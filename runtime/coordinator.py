@@ -71,7 +71,7 @@ class Coordinator:
         self.healthy = False
         self.failure: str | None = None
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generated_tokens=0,
-                             steps=0, steps_ahead=0)
+                             steps=0, steps_ahead=0, steps_fed=0)
         # where the steps' wall time went (seconds, summed over steps; stats()["step_time"]): the
         # coordinator's own work per step (scheduling, the plan's message, applying the result),
         # waiting for rank 0's result, and the part of that wait rank 0 spent in its step (from the
@@ -156,6 +156,7 @@ class Coordinator:
                                      backend=self.options.backend, weights=self.options.weights,
                                      kv_dtype=self.options.kv_dtype,
                                      cuda_graphs=self.options.cuda_graphs,
+                                     device_feed=self.options.device_feed,
                                      random_weights=self.options.random_weights,
                                      transport=self.options.transport,
                                      gpu_mailbox=self._gpu_shm.name if self._gpu_shm is not None else None,
@@ -404,6 +405,8 @@ class Coordinator:
                 self.streams[s.id]._push(Event(s.id, tokens))
             else:
                 self._finish(s, last_tokens=tokens)
+        if result.fed:
+            self.counters["steps_fed"] += 1
         st = self.step_time
         st["steps"] += 1
         st["coordinator_s"] += (t_sent - t0) + (time.perf_counter() - t_result)

@@ -23,12 +23,15 @@
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
 #                                        steps planned ahead and without, and where each step's host time goes
+#   scripts/gpu-session.sh feed OUT      two GPUs, ~5 min: device-fed steps (EngineOptions.device_feed): their GPU
+#                                        tests (bit-identical logits and no host sync; tp 1 / tp 2 ids), then
+#                                        the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) fed and not
 #
 # Each part writes JSON files under OUT and prints a short table last. Timeouts keep every part
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|probe|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|probe|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -89,6 +92,13 @@ case "$PART" in
     timeout 170 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox --concurrency 1 8 \
         --new-tokens 48 --no-overlap-steps --out "$OUT/engine-plain.json" > "$OUT/engine-plain.txt" 2>&1
     for f in engine-ahead engine-plain; do echo "== $f"; grep -E "tp [12] " "$OUT/$f.txt" | cut -c1-260; done ;;
+  feed)
+    timeout 200 scripts/gpu-tests.sh "$OUT/feed-tests" tests/test_cuda_model.py tests/test_cuda_tp2.py \
+        -m "gpu and not slow" -k "device_fed" --tb=short --timeout=150 > "$OUT/feed-tests.txt" 2>&1
+    timeout 300 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 2 --transport mailbox --concurrency 1 8 \
+        --new-tokens 48 --device-feed --out "$OUT/engine-feed.json" > "$OUT/engine-feed.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/feed-tests.txt" | cut -c1-200 | tail -12
+    echo "== engine-feed"; grep -E "tp [12] " "$OUT/engine-feed.txt" | cut -c1-280 ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1

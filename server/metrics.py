@@ -168,6 +168,8 @@ class _EngineCollector:
             yield counter("tandem_engine_steps", "Steps the engine ran", stats["steps"])
             yield counter("tandem_engine_steps_ahead", "Decode steps planned and sent while the previous one ran",
                           stats.get("steps_ahead", 0))
+            yield counter("tandem_engine_steps_fed", "Steps whose inputs came from the previous step's tokens on "
+                          "the device, launched before those reached the host", stats.get("steps_fed", 0))
         st = stats.get("step_time")
         if isinstance(st, dict):
             c = CounterMetricFamily("tandem_engine_step_seconds", "Wall time of the engine's steps by part: "

@@ -92,7 +92,7 @@ class RequestLog:
         gpus = _Nvml()
         last, t_last = {}, time.monotonic()
         counters = ("prompt_tokens", "generated_tokens", "finished", "failed", "cancelled", "requests", "steps",
-                    "steps_ahead")
+                    "steps_ahead", "steps_fed")
         last_time: dict = {}
         gauges = ("running", "waiting", "slots_used", "pages_used", "pages_total")
         try:

@@ -92,7 +92,7 @@ def serve(args, argv: list[str]) -> int:
                             backend=args.backend,
                             weights=args.weights, kv_dtype=args.kv_dtype, cuda_graphs=args.cuda_graphs,
                             random_weights=args.random_weights, transport=args.transport,
-                            overlap_steps=args.overlap_steps)
+                            overlap_steps=args.overlap_steps, device_feed=args.device_feed)
     model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")
     try:
         request_log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None

@@ -366,6 +366,48 @@ def test_graph_replay_equals_eager_bit_for_bit(name, seed):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs, seed):
+    """Device-fed steps (ranks/worker.py): the greedy ids chosen on the device (local_candidates left
+    on the device, merge_on_device) are written into the next step's uploaded metadata (forward's
+    feed) instead of coming from the host. Greedy decoding that way must give the host-fed decoding's
+    logits bit for bit and the same ids, and, once the graphs are captured, launching a fed step must
+    not wait for the device (torch's sync debug mode raises on a synchronising call)."""
+    from ranks.model_cuda import CudaHybridModel
+    from ranks.sampler import SeqSampler, local_candidates, merge_on_device
+    spec = SPECS[name]()
+    w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
+    host_fed = CudaHybridModel(spec, dict(w), cuda_graphs=graphs)
+    dev_fed = CudaHybridModel(spec, dict(w), cuda_graphs=graphs)
+    g = torch.Generator().manual_seed(seed)
+    B, steps = 3, 12
+    states = [m.new_state(B, B * 2) for m in (host_fed, dev_fed)]
+    tables = page_table(B, 2)
+    ids = torch.randint(0, spec.vocab_size, (B,), generator=g)
+    feed = None
+    cols = torch.arange(B, device="cuda")
+    greedy = [SeqSampler(temperature=0.0) for _ in range(B)]
+    for t in range(steps):
+        a = host_fed.forward(Batch(ids, [1] * B, [t] * B, list(range(B)), tables), states[0])
+        placeholder = torch.full((B,), 1, dtype=torch.int64) if feed is not None else ids
+        strict = graphs and t >= 3                     # keys seen and captured: replays only
+        torch.cuda.set_sync_debug_mode("error" if strict else "default")
+        try:
+            b = dev_fed.forward(Batch(placeholder, [1] * B, [t] * B, list(range(B)), tables), states[1], feed=feed)
+            cand = local_candidates(b.logits.float(), greedy, [t + 1] * B, list(range(B)), 0, batched=True,
+                                    on_host=False)
+            picked = merge_on_device(cand, 0, 1, None)
+            feed = (cols, picked[:, 1].long())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(a.logits, b.logits), f"step {t}"
+        ids = torch.argmax(a.logits.float().cpu(), dim=-1)
+        assert torch.equal(feed[1].cpu(), ids), f"step {t}: device ids {feed[1].tolist()} != host {ids.tolist()}"
+    for x, y in zip(states[0].recurrent + states[0].k, states[1].recurrent + states[1].k):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-folded", "small"])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_dependent_launches_do_not_change_a_step(name, graphs, seed, monkeypatch):

@@ -17,12 +17,12 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-def _generate(tp, transport="auto", spec=0):
+def _generate(tp, transport="auto", spec=0, device_feed=False):
     from ranks.demo import default_model_dir
     from runtime import Engine, EngineOptions, SamplingParams
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(default_model_dir())
-    opts = EngineOptions(max_concurrency=2, transport=transport, spec_draft_tokens=spec)
+    opts = EngineOptions(max_concurrency=2, transport=transport, spec_draft_tokens=spec, device_feed=device_feed)
     with Engine.start(default_model_dir(), tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
         outs = []
         for p in PROMPTS:
@@ -30,6 +30,8 @@ def _generate(tp, transport="auto", spec=0):
                                                                    ignore_eos=True)))
             assert not evs[-1].error, evs[-1].error
             outs.append(sum((e.tokens for e in evs), []))
+        if device_feed:
+            assert engine.stats()["steps_fed"] > NEW_TOKENS // 2, engine.stats()["steps_fed"]
         return outs, engine.stats()["ranks"]
 
 
@@ -66,4 +68,13 @@ def test_tp2_speculation_equals_tp1(tp1, transport):
     the captured round) give tp 1's plain greedy ids."""
     ids, ranks = _generate(2, transport, spec=3)
     assert [r["spec_rounds"] for r in ranks.values()] == ["gpu", "gpu"]
+    assert ids == tp1
+
+
+@pytest.mark.parametrize("tp,transport", [(1, "auto"), (2, "mailbox"), (2, "nccl")])
+def test_device_fed_steps_equal_tp1(tp1, tp, transport):
+    """EngineOptions.device_feed: greedy tokens chosen on the GPUs (the shards' candidates merged by
+    the transport's all-reduce) feed the next step, launched before they reach the host: tp 1's
+    plain ids, and most steps fed."""
+    ids, _ = _generate(tp, transport, device_feed=True)
     assert ids == tp1

@@ -423,6 +423,44 @@ def test_steps_planned_ahead_equal_steps_planned_after_each_result(dense, shared
         plain.shutdown()
 
 
+def test_device_fed_steps_equal_the_reference(dense):
+    """EngineOptions.device_feed (off by default until measured on a GPU; on here, on the CPU): a step
+    whose rows need no whole distribution (greedy, temperature with penalties) chooses its tokens as
+    device ops, candidates merged across ranks by an all-reduce, and the next step planned ahead takes
+    them as inputs before they reach the host. The tokens must be the reference's: greedy batches,
+    seeded per-token sampling with penalties, a stop id, and rows that need the whole distribution
+    (those steps sample on the host) in the same batches, at tp 1 and 2; and steps must be fed."""
+    rng = random.Random(_seed("device-feed"))
+    cases = _seeded_cases(dense.ref, rng)
+    greedy_cases = dense.ref.clear_prompts(rng, [3, 40, 120], 14)
+    p, ids = greedy_cases[0]
+    stop = ids[5]
+    per_token = [c for c in cases if not c[1].top_p < 1.0 and not c[1].min_p > 0 and c[1].top_k <= 0]
+    assert per_token, "no per-token seeded case"
+    for tp in (1, 2):
+        eng = Engine.start(dense.dir, tp=tp, options=dataclasses.replace(OPTS, device_feed=True))
+        try:
+            # every row on the device path: greedy and per-token sampling only
+            streams = [eng.submit(prompt, greedy(len(g))) for prompt, g in greedy_cases]
+            streams += [eng.submit(prompt, sp) for prompt, sp, _ in per_token]
+            want = [g for _, g in greedy_cases] + [w for _, _, w in per_token]
+            for st, w in zip(streams, want):
+                assert st.result(timeout=TIMEOUT).tokens == w, ("device path only", tp)
+            fed = eng.stats()["steps_fed"]
+            assert fed > 10, f"tp {tp}: {fed} steps fed from the device"
+            # mixed with rows that need the whole distribution, and a stop id
+            streams = [eng.submit(prompt, sp) for prompt, sp, _ in cases]
+            streams += [eng.submit(prompt, greedy(len(g))) for prompt, g in greedy_cases]
+            streams.append(eng.submit(p, greedy(len(ids), stop_token_ids=(stop,))))
+            want = [w for _, _, w in cases] + [g for _, g in greedy_cases] + [ids[:ids.index(stop) + 1]]
+            for st, w in zip(streams, want):
+                assert st.result(timeout=TIMEOUT).tokens == w, ("mixed", tp)
+            _good_request(eng, dense)
+            _idle(eng)
+        finally:
+            eng.shutdown()
+
+
 # --------------------------------------------------------------------------------------------------
 # Streams: async iteration, stop ids, timings
 

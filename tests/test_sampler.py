@@ -366,6 +366,71 @@ def test_batched_candidates_equal_the_row_at_a_time_loop(offset, seed):
         assert torch.isnan(c[2, 0]) and int(c[2, 1]) == offset + 77 and not torch.isnan(c[:2, 0]).any()
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_candidates_merged_on_the_device_equal_the_host_merge(tp, seed):
+    """Device-fed steps (ranks/worker.py) choose tokens without the host: each rank's candidates stay on
+    its device and one all-reduce of disjoint slots merges them (merge_on_device). The ids must be
+    sample_rows' (the host merge) for greedy rows with ties across and inside shards, temperatures and
+    penalties; the score must be the winning candidate's; a NaN row must show as a NaN score."""
+    from ranks.sampler import local_candidates, merge_on_device
+    R = 24
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(R, V, generator=gen) * 2.0
+    best = float(rows.max()) + 1.0
+    rows[1, 40] = rows[1, 3] = best                      # tie across shards: 3 wins
+    rows[2, 17] = rows[2, 9] = best                      # tie inside a shard: 9 wins
+    rows[3, :] = -float("inf")
+    rows[3, 50] = rows[3, 60] = -1.0                     # all but two -inf: 50
+    temps = [0.0, 0.0, 0.0, 0.0, 0.4, 1.0, 1.7, 0.0]
+    positions = [int(v) for v in np.random.default_rng(seed).integers(0, 2**20, R)]
+
+    def samplers():
+        out = []
+        for i in range(R):
+            kw = dict(temperature=temps[i % len(temps)], seed=seed + 7 * i)
+            if i % 3 == 1 and i > 3:                     # rows 1-3 keep their ties
+                kw.update(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1, prompt_len=1)
+            smp = SeqSampler(**kw)
+            smp.observe([int(rows[i].argmax()), 11, 11, 12], 0)
+            out.append(smp)
+        return out
+
+    want = sample_tp(rows, samplers, positions, tp)[0]
+    n = V // tp
+    g = StackGather(tp)
+    got: list = [None] * tp
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            shard = rows[:, r * n:(r + 1) * n].contiguous()
+            cand = local_candidates(shard, samplers(), positions, list(range(R)), r * n, batched=True, on_host=False)
+            got[r] = merge_on_device(cand, r, tp, lambda t: g.for_rank(r)(t).sum(0))
+        except BaseException as e:       # pragma: no cover - reported below
+            errors.append(e)
+            g.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for r in range(tp):
+        assert torch.equal(got[r], got[0]), f"rank {r} merged otherwise than rank 0"
+        assert got[r][:, 1].long().tolist() == want, (got[r][:, 1].tolist(), want)
+    assert want[1] == 3 and want[2] == 9 and want[3] == 50
+    # the score is the winner's own: greedy rows' is the (penalised) logit itself
+    full = local_candidates(rows, samplers(), positions, list(range(R)), 0, batched=True, on_host=False)
+    assert torch.equal(got[0], full), "the merged (score, id) differs from one rank over the whole vocabulary"
+    bad = rows.clone()
+    bad[5, 21] = float("nan")
+    cand = local_candidates(bad, samplers(), positions, list(range(R)), 0, batched=True, on_host=False)
+    m = merge_on_device(cand, 0, 1, lambda t: t)
+    assert torch.isnan(m[5, 0]) and not torch.isnan(m[torch.arange(R) != 5, 0]).any()
+
+
 def test_fallback_statistics_are_right():
     """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
     for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),

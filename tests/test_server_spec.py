@@ -23,7 +23,7 @@ PROMPTS = ("The quick brown fox", "Once upon a time, there was a little girl nam
 OPTS = dict(max_concurrency=4, max_context=1024, threads_per_rank=1, startup_timeout_s=180)
 
 
-def _serve_and_run(tmp_path, spec_draft_tokens: int) -> tuple[list[dict], str, dict]:
+def _serve_and_run(tmp_path, spec_draft_tokens: int, device_feed: bool = False) -> tuple[list[dict], str, dict]:
     """Start engine + app, run the greedy prompts; return request_done events, /metrics text, engine stats."""
     from runtime import Engine, EngineOptions
     from runtime.tokenizer import Tokenizer, generation_defaults
@@ -33,8 +33,9 @@ def _serve_and_run(tmp_path, spec_draft_tokens: int) -> tuple[list[dict], str, d
     from server.service import Service
     from tests.server_util import running
 
-    log_path = tmp_path / f"requests-k{spec_draft_tokens}.jsonl"
-    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(spec_draft_tokens=spec_draft_tokens, **OPTS))
+    log_path = tmp_path / f"requests-k{spec_draft_tokens}-{device_feed}.jsonl"
+    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(spec_draft_tokens=spec_draft_tokens,
+                                                                    device_feed=device_feed, **OPTS))
     service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", 1024, generation_defaults(PACKAGED_DIR),
                       request_log=RequestLog(str(log_path)))
     service.metrics = Metrics("demo", service.stats, lambda: service.in_flight)
@@ -97,6 +98,7 @@ def test_spec_stats_in_metrics_and_request_log(tmp_path):
     # speculation rounds are never planned ahead
     assert _value(metrics, "tandem_engine_steps_total") == stats["steps"] > 0
     assert _value(metrics, "tandem_engine_steps_ahead_total") == stats["steps_ahead"] == 0
+    assert _value(metrics, "tandem_engine_steps_fed_total") == stats["steps_fed"] == 0
 
 
 def test_no_spec_fields_with_speculation_off(tmp_path):
@@ -111,6 +113,15 @@ def test_no_spec_fields_with_speculation_off(tmp_path):
     # the engine's step counters: decode steps planned ahead, and the steps' wall time by part
     assert _value(metrics, "tandem_engine_steps_total") == stats["steps"] > 0
     assert 0 < _value(metrics, "tandem_engine_steps_ahead_total") == stats["steps_ahead"] < stats["steps"]
+    assert _value(metrics, "tandem_engine_steps_fed_total") == stats["steps_fed"] == 0       # off by default
     for part, key in (("coordinator", "coordinator_s"), ("wait", "wait_s"), ("rank0", "rank_s")):
         assert _value(metrics, "tandem_engine_step_seconds_total", part=part) == pytest.approx(stats["step_time"][key])
         assert stats["step_time"][key] > 0
+
+
+def test_device_fed_steps_are_counted(tmp_path):
+    """EngineOptions.device_feed (serve --device-feed): greedy decode steps planned ahead take their
+    inputs from the previous step's device ids; /metrics and the engine's stats count them alike."""
+    done, metrics, stats = _serve_and_run(tmp_path, 0, device_feed=True)
+    assert len(done) == len(PROMPTS) and all(e["status"] == 200 for e in done)
+    assert 0 < _value(metrics, "tandem_engine_steps_fed_total") == stats["steps_fed"] <= stats["steps_ahead"]

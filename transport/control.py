@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3     # 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 4     # 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -178,6 +178,7 @@ class StepResult(Message):
     elapsed_s: float = 0.0
     counts: np.ndarray | None = None   # speculation: [S] tokens per sequence (1 + accepted drafts)
     drafts: np.ndarray | None = None   # speculation: [S, K] drafts for each sequence's next round
+    fed: bool = False                  # its LAST_SAMPLED inputs came from the previous step's device ids
 
 
 @dataclass

@@ -21,6 +21,9 @@ over all steps of the timed run, prefill included): rank 0 inside its step (inpu
 the messaging around it (wait - rank 0's step: negative when steps are planned ahead, as rank 0 then
 starts a step before the coordinator waits for it), and the coordinator's own work; and the share of steps planned ahead
 (EngineOptions.overlap_steps; --no-overlap-steps plans each step after the previous one's result).
+--device-feed also runs every configuration with EngineOptions.device_feed (the greedy tokens chosen
+on the GPU feed the next step, launched before they reach the host), as rows "<transport>+feed",
+each held to the tp 1 run of the same setting; the share of fed steps is printed with them.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 
 def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concurrency: list[int],
-        prompt_len: int, new_tokens: int, overlap_steps: bool = True) -> tuple[dict, dict]:
+        prompt_len: int, new_tokens: int, overlap_steps: bool = True, device_feed: bool = False) -> tuple[dict, dict]:
     """({C: step_s, wall_s, host}, {rank: its step_bytes parts (Ready)})."""
     opts = EngineOptions(max_concurrency=max(concurrency), random_weights=True, weights=weights,
                          transport=transport, max_context=prompt_len + new_tokens + 8, startup_timeout_s=900,
-                         overlap_steps=overlap_steps)
+                         overlap_steps=overlap_steps, device_feed=device_feed)
     out = {}
     with Engine.start(model_dir, tp=tp, device="cuda", dtype="bfloat16", options=opts) as engine:
         step_bytes = {r: info.get("step_bytes") for r, info in engine.stats().get("ranks", {}).items()}
@@ -63,7 +66,7 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
                 if evs[-1].error:
                     raise RuntimeError(evs[-1].error)
                 results[i] = evs[-1].timings
-            st0 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"])
+            st0 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"], fed=engine.stats()["steps_fed"])
             t0 = time.perf_counter()
             threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
             for t in threads:
@@ -73,9 +76,9 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
             wall = time.perf_counter() - t0
             first = max(r["ttft_s"] for r in results)
             last = max(r["total_s"] for r in results)
-            st1 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"])
+            st1 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"], fed=engine.stats()["steps_fed"])
             n = max(st1["steps"] - st0["steps"], 1)
-            host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s", "ahead")}
+            host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s", "ahead", "fed")}
             out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall, host=host)
     return out, step_bytes
 
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--share", action="store_true", help="also time tp 2 with the all-reduces skipped")
     ap.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
                     help="plan each step after the previous one's result (EngineOptions.overlap_steps=False)")
+    ap.add_argument("--device-feed", action="store_true",
+                    help="also run each configuration with EngineOptions.device_feed (rows <transport>+feed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = text_config(args.model, num_layers=args.layers)
@@ -107,18 +112,22 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     context = args.prompt_len + args.new_tokens // 2              # the mean context of the timed steps
     res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"),
-               overlap_steps=args.overlap_steps,
+               overlap_steps=args.overlap_steps, device_feed=args.device_feed,
                device=torch.cuda.get_device_name(0), read_Bps=bw, context=context, runs=[])
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bw / 1e12:.2f} TB/s (GPU 0)", flush=True)
     for weights in args.weights:
         base = {}
         for tp in args.tp:
-            for transport in (args.transport + (["skip"] if args.share else []) if tp > 1 else ["none"]):
+            plain = args.transport + (["skip"] if args.share else []) if tp > 1 else ["none"]
+            fed = [t + "+feed" for t in plain if t != "skip"] if args.device_feed else []
+            for transport in plain + fed:
+                kind = transport.removesuffix("+feed")
                 try:
                     if transport == "skip":
                         os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
-                    r, parts = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(transport, transport),
-                            weights, args.concurrency, args.prompt_len, args.new_tokens, args.overlap_steps)
+                    r, parts = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(kind, kind),
+                                   weights, args.concurrency, args.prompt_len, args.new_tokens, args.overlap_steps,
+                                   device_feed=transport.endswith("+feed"))
                 except Exception as e:                     # report and go on with the other configurations
                     print(f"{weights} tp {tp} {transport}: failed: {e}", flush=True)
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, error=str(e)))
@@ -127,9 +136,10 @@ def main(argv=None) -> int:
                     os.environ.pop("TANDEM_BENCH_SKIP_ALLREDUCE", None)
                 for C in args.concurrency:
                     step = r[C]["step_s"]
+                    feed = transport.endswith("+feed")
                     if tp == 1:
-                        base[C] = step
-                    ratio = step / base[C] if C in base else float("nan")
+                        base[C, feed] = step
+                    ratio = step / base[C, feed] if (C, feed) in base else float("nan")
                     floors = {rank: step_bytes_from(p, C, context)["total"] / bw
                               for rank, p in parts.items() if p}
                     floor = max(floors.values()) if floors else float("nan")
@@ -137,12 +147,12 @@ def main(argv=None) -> int:
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, C=C, step_s=step,
                                             ratio_to_tp1=ratio, floor_s=floor, of_floor=floor / step,
                                             rank_floor_s=floors, host_per_step_s=host))
-                    print(f"{weights:6s} tp {tp} {transport:8s} C={C:3d}: step {step * 1e3:7.2f} ms  "
+                    print(f"{weights:6s} tp {tp} {transport:13s} C={C:3d}: step {step * 1e3:7.2f} ms  "
                           f"{C / step:8.1f} tok/s  {ratio:5.2f}x the tp 1 step  floor {floor * 1e3:6.2f} ms  "
                           f"{floor / step:6.1%} of floor  | per step: rank 0 in its step "
                           f"{host['rank_s'] * 1e3:.2f} ms, messaging "
                           f"{(host['wait_s'] - host['rank_s']) * 1e3:.2f}, coordinator "
-                          f"{host['coordinator_s'] * 1e3:.2f}; planned ahead {host['ahead']:.0%}", flush=True)
+                          f"{host['coordinator_s'] * 1e3:.2f}; planned ahead {host['ahead']:.0%}, fed {host['fed']:.0%}", flush=True)
         for C in args.concurrency:
             steps = {x["transport"]: x["step_s"] for x in res["runs"]
                      if x.get("C") == C and x["tp"] == 2 and x["weights"] == weights}
