@@ -133,11 +133,20 @@ def _uniforms_torch(key: int, lo: int, hi: int, device: torch.device | str) -> T
     return _uniforms_torch_rows([key], lo, hi, device)[0]
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A small host list as a tensor on `device` without waiting for it: through pinned memory on a
+    GPU (a copy from pageable memory synchronises the stream, which device-fed steps must not)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _uniforms_torch_rows(keys: list[int], lo: int, hi: int, device: torch.device | str) -> Tensor:
     """The torch form of the hash for several keys at once: [len(keys), hi - lo], row r the bits of
     keys[r] (int64 ops holding 32-bit values, broadcast over the rows)."""
-    k0 = torch.tensor([k & _M32 for k in keys], dtype=torch.int64, device=device)[:, None]
-    k1 = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=device)[:, None]
+    k0 = to_device([k & _M32 for k in keys], torch.int64, device)[:, None]
+    k1 = to_device([k >> 32 for k in keys], torch.int64, device)[:, None]
     c = (torch.arange(2 * lo, 2 * hi, dtype=torch.int64, device=device) & _M32)[None, :]
     h = _fmix32(_fmix32((_fmix32(c ^ k0) + k1) & _M32) ^ k0).view(len(keys), -1, 2)
     return (((h[..., 0] >> 5) * 67108864 + (h[..., 1] >> 6)).double() + 0.5) * 2.0 ** -53
@@ -176,16 +185,15 @@ def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
     out = logits.clone()
     n = out.shape[-1]
     if s.repetition_penalty != 1.0:
-        ids = torch.tensor([t - offset for t in s.seen if offset <= t < offset + n], dtype=torch.long,
-                           device=out.device)
+        ids = to_device([t - offset for t in s.seen if offset <= t < offset + n], torch.long, out.device)
         if ids.numel():
             v = out[ids]
             out[ids] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
     if s.output and (s.presence_penalty or s.frequency_penalty):
         pairs = [(t - offset, c) for t, c in s.output.items() if offset <= t < offset + n]
         if pairs:
-            ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=out.device)
-            counts = torch.tensor([p[1] for p in pairs], dtype=out.dtype, device=out.device)
+            ids = to_device([p[0] for p in pairs], torch.long, out.device)
+            counts = to_device([p[1] for p in pairs], out.dtype, out.device)
             out[ids] -= s.presence_penalty + s.frequency_penalty * counts
     return out
 
@@ -248,18 +256,20 @@ def local_candidates(logits: Tensor, samplers: list[SeqSampler], positions: list
         return cand
     # every row in order (a decode step's usual case) needs no index: a list index is a host-to-device
     # copy that waits for the device, which device-fed steps must not
-    x = (logits if rows == list(range(logits.shape[0])) else logits[rows]).double()
+    x = (logits if rows == list(range(logits.shape[0])) else
+         logits.index_select(0, to_device(rows, torch.int64, logits.device))).double()
     for j, s in enumerate(samplers):
         if s.has_penalties and s.seen:
             x[j] = apply_penalties(x[j], s, offset)
     hot = [j for j, s in enumerate(samplers) if not s.greedy]
     if hot:
-        temps = torch.tensor([samplers[j].temperature for j in hot], dtype=torch.float64, device=x.device)
+        temps = to_device([samplers[j].temperature for j in hot], torch.float64, x.device)
         noise = gumbel_rows([samplers[j].seed for j in hot], [positions[j] for j in hot], offset, offset + n, x.device)
         if len(hot) == len(rows):
             x.div_(temps[:, None]).add_(noise)
         else:
-            x[hot] = x[hot] / temps[:, None] + noise
+            at = to_device(hot, torch.int64, x.device)
+            x.index_copy_(0, at, x.index_select(0, at) / temps[:, None] + noise)
     score = x.float()                    # the exchange carries float32: decide on float32 at any tp
     k = torch.argmax(score, dim=-1)      # the first maximum: ties to the lower index (a NaN counts as one)
     cand = torch.stack([score.gather(-1, k[:, None])[:, 0], (k + offset).float()], dim=1)

@@ -368,14 +368,15 @@ def test_graph_replay_equals_eager_bit_for_bit(name, seed):
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs, seed):
-    """Device-fed steps (ranks/worker.py): the greedy ids chosen on the device (local_candidates left
-    on the device, merge_on_device) are written into the next step's uploaded metadata (forward's
-    feed) instead of coming from the host. Greedy decoding that way must give the host-fed decoding's
-    logits bit for bit and the same ids, and, once the graphs are captured, launching a fed step must
+@pytest.mark.parametrize("sampling", ["greedy", "temperature-penalties"])
+def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs, sampling, seed):
+    """Device-fed steps (ranks/worker.py): the ids chosen on the device (local_candidates left on the
+    device, merge_on_device) are written into the next step's uploaded metadata (forward's feed)
+    instead of coming from the host. Decoding that way must give the host-fed decoding's logits bit
+    for bit and the host sampler's ids (sample_rows: greedy, or seeded temperatures with penalties), and, once the graphs are captured, launching a fed step and choosing its ids must
     not wait for the device (torch's sync debug mode raises on a synchronising call)."""
     from ranks.model_cuda import CudaHybridModel
-    from ranks.sampler import SeqSampler, local_candidates, merge_on_device
+    from ranks.sampler import SeqSampler, local_candidates, merge_on_device, sample_rows
     spec = SPECS[name]()
     w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
     host_fed = CudaHybridModel(spec, dict(w), cuda_graphs=graphs)
@@ -387,22 +388,29 @@ def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs,
     ids = torch.randint(0, spec.vocab_size, (B,), generator=g)
     feed = None
     cols = torch.arange(B, device="cuda")
-    greedy = [SeqSampler(temperature=0.0) for _ in range(B)]
+    if sampling == "greedy":
+        samplers = [SeqSampler(temperature=0.0) for _ in range(B)]
+    else:
+        samplers = [SeqSampler(temperature=0.6 + 0.4 * b, seed=seed + b, repetition_penalty=1.3, presence_penalty=0.5,
+                               frequency_penalty=0.2) for b in range(B)]
     for t in range(steps):
+        for b, s in enumerate(samplers):
+            s.observe([int(ids[b])], t)
         a = host_fed.forward(Batch(ids, [1] * B, [t] * B, list(range(B)), tables), states[0])
         placeholder = torch.full((B,), 1, dtype=torch.int64) if feed is not None else ids
         strict = graphs and t >= 3                     # keys seen and captured: replays only
         torch.cuda.set_sync_debug_mode("error" if strict else "default")
         try:
             b = dev_fed.forward(Batch(placeholder, [1] * B, [t] * B, list(range(B)), tables), states[1], feed=feed)
-            cand = local_candidates(b.logits.float(), greedy, [t + 1] * B, list(range(B)), 0, batched=True,
+            cand = local_candidates(b.logits.float(), samplers, [t + 1] * B, list(range(B)), 0, batched=True,
                                     on_host=False)
             picked = merge_on_device(cand, 0, 1, None)
             feed = (cols, picked[:, 1].long())
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(a.logits, b.logits), f"step {t}"
-        ids = torch.argmax(a.logits.float().cpu(), dim=-1)
+        # the host path as a rank runs it on this device (the noise's log is the device's own)
+        ids = torch.tensor(sample_rows(a.logits.float(), samplers, [t + 1] * B, rank=0, tp=1, gather=None))
         assert torch.equal(feed[1].cpu(), ids), f"step {t}: device ids {feed[1].tolist()} != host {ids.tolist()}"
     for x, y in zip(states[0].recurrent + states[0].k, states[1].recurrent + states[1].k):
         assert torch.equal(x, y)
