@@ -58,7 +58,7 @@ class LocalGenerator:
                              frequency_penalty=params.frequency_penalty,
                              repetition_penalty=params.repetition_penalty,
                              seed=params.seed if params.seed is not None else random.randrange(2**62),
-                             prompt_len=len(prompt_ids))
+                             prompt_len=len(prompt_ids), banned=params.banned_token_ids)
         sampler.observe(list(prompt_ids), 0)
 
         ids = torch.tensor(prompt_ids, dtype=torch.int64)

@@ -48,6 +48,10 @@ class SeqSampler:
     prompt_len: int = 0
     seen: dict[int, int] = field(default_factory=dict)       # token -> count in prompt + output
     output: dict[int, int] = field(default_factory=dict)     # token -> count in output
+    banned: tuple[int, ...] = ()                             # ids never sampled (their logits -> -inf)
+
+    def __post_init__(self) -> None:
+        self.banned = tuple(int(t) for t in self.banned)     # msgpack brings a list
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +64,11 @@ class SeqSampler:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether apply_penalties changes this sequence's logits (penalties with counts, or banned ids)."""
+        return (self.has_penalties and bool(self.seen)) or bool(self.banned)
 
     def observe(self, tokens: list[int], first_position: int) -> None:
         """Count the input tokens of one step (positions from first_position on)."""
@@ -179,11 +188,18 @@ def keyed_uniform(seed: int, position: int, purpose: int = PURPOSE_ACCEPT) -> fl
 
 
 def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
-    """Penalised copy of one row of logits for the shard that starts at token id `offset`."""
-    if not s.has_penalties or not s.seen:
+    """Penalised copy of one row of logits for the shard that starts at token id `offset`; banned ids
+    get -inf."""
+    if not s.adjusts_logits:
         return logits
     out = logits.clone()
     n = out.shape[-1]
+    if s.banned:
+        ids = [t - offset for t in s.banned if offset <= t < offset + n]
+        if ids:
+            out[to_device(ids, torch.long, out.device)] = float("-inf")
+    if not s.has_penalties or not s.seen:
+        return out
     if s.repetition_penalty != 1.0:
         ids = to_device([t - offset for t in s.seen if offset <= t < offset + n], torch.long, out.device)
         if ids.numel():
@@ -259,7 +275,7 @@ def local_candidates(logits: Tensor, samplers: list[SeqSampler], positions: list
     x = (logits if rows == list(range(logits.shape[0])) else
          logits.index_select(0, to_device(rows, torch.int64, logits.device))).double()
     for j, s in enumerate(samplers):
-        if s.has_penalties and s.seen:
+        if s.adjusts_logits:
             x[j] = apply_penalties(x[j], s, offset)
     hot = [j for j, s in enumerate(samplers) if not s.greedy]
     if hot:
@@ -362,7 +378,8 @@ def with_tokens(s: SeqSampler, tokens: list[int], first_position: int) -> SeqSam
     if not s.has_penalties or not tokens:
         return s
     c = SeqSampler(**{f: getattr(s, f) for f in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
-                                                   "frequency_penalty", "repetition_penalty", "seed", "prompt_len")},
+                                                   "frequency_penalty", "repetition_penalty", "seed", "prompt_len",
+                                                   "banned")},
                    seen=dict(s.seen), output=dict(s.output))
     c.observe(tokens, first_position)
     return c

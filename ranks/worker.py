@@ -360,7 +360,7 @@ class Worker:
             smp = [self.samplers[sid] for sid in seq_ids]
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
             if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),
-                                        [s.greedy and not s.has_penalties for s in smp], kv_tokens, stops):
+                                        [s.greedy and not s.has_penalties and not s.banned for s in smp], kv_tokens, stops):
                 return self._gpu_round(plan, batch, stops, ndraft, t0)
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
         t_fwd = time.perf_counter()

@@ -242,6 +242,9 @@ class Coordinator:
         for t in prompt:
             if not 0 <= t < V:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
+        for t in params.banned_token_ids:
+            if not 0 <= t < V:
+                raise ValueError(f"banned token id {t!r} is outside the vocabulary [0, {V})")
         if len(prompt) >= self.config.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.config.max_context} "
                              "(prompt plus at least one generated token)")
@@ -369,6 +372,8 @@ class Coordinator:
                                       top_p=p.top_p, min_p=p.min_p,
                                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                       repetition_penalty=p.repetition_penalty, seed=s.seed, prompt_len=len(s.prompt))
+            if p.banned_token_ids:
+                new_sampling[s.id]["banned"] = list(p.banned_token_ids)
         spec_stops = {s.id: sorted(s.stop_ids) for s in plan.new} if self.options.spec_draft_tokens else {}
         step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, spec_stops=spec_stops,
                             **arrays)

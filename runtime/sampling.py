@@ -23,6 +23,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
+    banned_token_ids: tuple[int, ...] = field(default=())   # never sampled (e.g. <tool_call> for tool_choice none)
     # Thinking budget: after `thinking_budget` generated tokens without one of `thinking_end_ids`
     # (e.g. the id of "</think>"), the next token is replaced by `thinking_close_ids` (e.g. the ids of
     # "\n</think>\n\n"), inserted without sampling. None = no budget.
@@ -44,6 +45,8 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64), "seed", self.seed,
                "an integer in [-2**63, 2**64)")
 
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.banned_token_ids),
+               "banned_token_ids", self.banned_token_ids, "token ids (integers >= 0)")
         _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
                "thinking_budget", self.thinking_budget, "an integer >= 0")
         _check(self.thinking_budget is None or bool(self.thinking_close_ids), "thinking_close_ids",

@@ -77,7 +77,9 @@ def _parser(service, prepared: Prepared) -> parsing.OutputParser | None:
     if not isinstance(req, ChatRequest):
         return None
     tools = [] if req.tool_choice == "none" or not req.tools else req.tools
-    return parsing.OutputParser(prepared.start, tools, req.parallel_tool_calls, id_seed=prepared.request_id,
+    # a named tool_choice whose call the prompt opened is that one call: the output ends after it
+    parallel = req.parallel_tool_calls and not (isinstance(req.tool_choice, dict) and prepared.forced_prefix)
+    return parsing.OutputParser(prepared.start, tools, parallel, id_seed=prepared.request_id,
                                 id_prefix=req.tool_id_prefix)
 
 
@@ -195,8 +197,9 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
                 yield d
             result = parser.result()
             notes = result.notes
-            # a call cut off by max_tokens / the context keeps "length": its arguments are incomplete
-            if result.tool_calls and not (reason == "length" and parser.cut_off):
+            # a call cut off by max_tokens / the context keeps "length", by a stop string "stop": its
+            # arguments are incomplete, and a client must not run it as if it were whole
+            if result.tool_calls and not ((reason == "length" or matched is not None) and parser.cut_off):
                 reason = "tool_calls"
         finish = stats.finish(reason, matched, notes, engine_timings, engine_usage, engine_spec)
         yield finish

@@ -249,6 +249,7 @@ class Service:
         self.template = ChatTemplate(source, special) if source else None
         self.stop_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.defaults.get("eos_token_ids", ()))
         self.think_end_id = tokenizer.token_to_id("</think>")
+        self.tool_call_id = tokenizer.token_to_id("<tool_call>")     # banned under tool_choice none
         self.thinking_close_ids = tuple(tokenizer.encode(thinking_close_text))
         self.engine = None
         self.state = "loading"
@@ -420,7 +421,9 @@ class Service:
             names = [(t.get("function") or {}).get("name") or t.get("name") for t in request.tools]
             if len(names) == 1 and isinstance(names[0], str) and names[0]:
                 return f"<tool_call>\n<function={names[0]}>\n"      # one tool: the call is its call
-            return "<tool_call>\n<function="
+            # not "<function=": byte-level BPE joins "=" to the name ("=get", "_weather"), so a prompt
+            # ending on a lone "=" is a token sequence the model never wrote and it loses the call
+            return "<tool_call>\n<function"
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name") or choice.get("name")
             if isinstance(name, str) and name:
@@ -457,6 +460,9 @@ class Service:
         if "top_k" in values:
             values["top_k"] = max(0, int(values["top_k"]))        # -1 (vLLM's "off") -> 0
         values.update(max_new_tokens=prepared.max_tokens, ignore_eos=bool(req.ignore_eos))
+        if isinstance(req, ChatRequest) and req.tool_choice == "none" and req.tools and self.tool_call_id is not None:
+            # the tools stay in the prompt (its cache), the call stays out of the output (api.md §6.9)
+            values["banned_token_ids"] = (self.tool_call_id,)
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         budget = getattr(req, "thinking_budget", None)
         if budget is not None and prepared.start == "reasoning" and "thinking_budget" in names \

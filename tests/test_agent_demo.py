@@ -99,3 +99,38 @@ def test_openai_responses_tool_round_trip(url):
                                              "output": json.dumps(RESULT)}])
     assert second.status == "completed"
     _answer_uses_the_result(second.output_text)
+
+
+TWO_TOOLS = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    for n, d in (("get_weather", "Get the weather for a city"), ("get_time", "Get the time in a city"))]
+TWO_QUESTIONS = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_tool_choice_none_keeps_calls_out_of_the_answer(url):
+    """tool_choice none with tools the model would call (it does under auto): the call token is banned,
+    so the answer is text with no call markup, finish reason stop."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    kw = dict(model="demo", messages=TWO_QUESTIONS, tools=TWO_TOOLS, temperature=0, max_tokens=60, extra_body=NO_THINKING)
+    auto = client.chat.completions.create(tool_choice="auto", **kw).choices[0]
+    assert auto.finish_reason == "tool_calls"                   # what "none" has to keep out
+    none = client.chat.completions.create(tool_choice="none", **kw).choices[0]
+    assert none.message.tool_calls is None and none.finish_reason in ("stop", "length")
+    assert none.message.content and "<tool_call>" not in none.message.content and "<function=" not in none.message.content
+
+
+def test_tool_choice_required_and_named_produce_the_calls_asked_for(url):
+    """tool_choice required with two tools and thinking off opens the call in the prompt; the model
+    continues it into a declared call. A named choice gives that function's call and no other."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    kw = dict(model="demo", messages=TWO_QUESTIONS, tools=TWO_TOOLS, temperature=0, max_tokens=120, extra_body=NO_THINKING)
+    required = client.chat.completions.create(tool_choice="required", **kw).choices[0]
+    assert required.finish_reason == "tool_calls", required.message.content
+    assert {c.function.name for c in required.message.tool_calls} <= {"get_weather", "get_time"}
+    for name in ("get_time", "get_weather"):
+        named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": name}}, **kw)
+        choice = named.choices[0]
+        assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == [name]
+        # a JSON object (the toy model's parameter names are its own business)
+        assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)

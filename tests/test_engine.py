@@ -744,6 +744,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(dense, shared):
         ([-1, 2], greedy(1), r"-1.*vocabulary"),
         ([1, 2.0, 3], greedy(1), "not an integer"),
         ([1, "7"], greedy(1), "not an integer"),
+        ([1, 2], greedy(1, banned_token_ids=(3, V)), rf"banned token id {V}.*vocabulary"),
     ]
     for prompt, params, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -772,6 +773,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(dense, shared):
     ("presence_penalty", -2.5), ("frequency_penalty", 3.0), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0.0), ("repetition_penalty", 10.5), ("max_new_tokens", 0), ("max_new_tokens", 2.0),
     ("seed", 1.5), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
+    ("banned_token_ids", (1, -2)), ("banned_token_ids", (1.0,)), ("banned_token_ids", (True,)),
 ])
 def test_sampling_params_name_the_bad_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be ") as e:

@@ -431,6 +431,43 @@ def test_candidates_merged_on_the_device_equal_the_host_merge(tp, seed):
     assert torch.isnan(m[5, 0]) and not torch.isnan(m[torch.arange(R) != 5, 0]).any()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_banned_ids_are_never_sampled(tp, seed):
+    """SeqSampler.banned (tool_choice none bans <tool_call>): a banned id is never chosen, greedy or
+    sampled, per-token or whole-distribution rows, even where it is the row's clear maximum; and a ban
+    changes nothing else: each row's token is the one the same sampler picks from the logits with the
+    banned ids set to -inf by hand, penalties included."""
+    from ranks.sampler import local_candidates
+    R = 12
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(R, V, generator=gen) * 1.5
+    banned = (7, 40)                                   # one id in each shard at tp 2
+    rows[:, 7] = rows.max() + 5.0                      # the banned id would win every greedy row
+    rows[::3, 40] = rows.max() + 5.0
+    kinds = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.0, top_p=0.9),
+             dict(temperature=0.7, top_k=5), dict(temperature=0.0, repetition_penalty=1.3)]
+    positions = list(range(100, 100 + R))
+
+    def samplers(ban):
+        out = []
+        for i in range(R):
+            smp = SeqSampler(seed=seed + i, banned=ban, **kinds[i % len(kinds)])
+            smp.observe([3, 3, 50], 0)
+            out.append(smp)
+        return out
+
+    got = sample_tp(rows, lambda: samplers(banned), positions, tp)
+    masked = rows.clone()
+    masked[:, list(banned)] = float("-inf")
+    want = sample_tp(masked, lambda: samplers(()), positions, tp)[0]
+    for g in got:
+        assert g == want and not set(g) & set(banned), (g, want)
+    # the device path's candidates (device-fed steps) honour the ban too
+    cand = local_candidates(rows, samplers(banned), positions, list(range(R)), 0, batched=True, on_host=False)
+    per_token = [i for i, smp in enumerate(samplers(())) if not smp.needs_full_distribution]
+    assert [int(cand[i, 1]) for i in per_token] == [want[i] for i in per_token]
+
+
 def test_fallback_statistics_are_right():
     """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
     for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),

@@ -298,19 +298,42 @@ def test_parallel_tool_calls_false_stops_after_the_first_call(fake):
     assert usage.completion_tokens < fake.engine.submitted[1].output_ids.index(end_call)
 
 
-def test_tool_choice_none_keeps_tools_in_the_prompt_and_markup_as_text(fake):
+def test_a_stop_string_inside_a_call_finishes_stop_not_tool_calls(fake):
+    """A stop string that matches inside a call's arguments cuts the call off: the finish is "stop"
+    (as a max_tokens cut-off keeps "length"), so no client runs a call with truncated arguments; one
+    that matches after a complete call leaves "tool_calls"."""
+    fake.engine.script(*["</think>\n\n" + CALL] * 2)
+    ns, s, r, _ = both(fake.client, messages=USER, tools=[WEATHER], stop=["aris"])
+    same(ns, s)
+    assert ns["finish"] == ["stop"]
+    fake.engine.script(*["</think>\n\n" + CALL + "\nDone."] * 2)
+    ns, s, r, _ = both(fake.client, messages=USER, tools=[WEATHER], stop=["Done"])
+    same(ns, s)
+    assert ns["finish"] == ["tool_calls"] and json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_tool_choice_none_keeps_tools_in_the_prompt_and_bans_the_call_token(fake):
+    """tool_choice none: the tools stay in the prompt (its cache) and the sampler may not start a call
+    (<tool_call>'s id is banned, api.md §6.9); markup that still comes out (a template whose call opening
+    is several tokens) stays text, never a call."""
     fake.engine.script("</think>\n\n" + CALL)
     r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="none")
     assert "<tools>" in fake.engine.prompt_text()
+    tool_call = fake.tok.token_to_id("<tool_call>")
+    assert tool_call is not None and fake.engine.submitted[-1].params.banned_token_ids == (tool_call,)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
     assert "<function=get_weather>" in r.choices[0].message.content
+    fake.engine.script("Sunny.")
+    fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="auto")
+    assert fake.engine.submitted[-1].params.banned_token_ids == ()
 
 
 def test_tool_choice_required_opens_the_call_when_thinking_is_off(fake):
-    fake.engine.script("get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>")
+    fake.engine.script("=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>")
     r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
                                             reasoning_effort="none")
-    assert fake.engine.prompt_text().endswith("</think>\n\n<tool_call>\n<function=")
+    # the opening stops before "=": the tokenizer joins it to the name, as the model writes calls
+    assert fake.engine.prompt_text().endswith("</think>\n\n<tool_call>\n<function")
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "UTC"}
     assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
@@ -325,7 +348,24 @@ def test_named_tool_choice_forces_that_function(fake):
     same(ns, s)
     assert fake.engine.prompt_text().endswith("<tool_call>\n<function=get_weather>\n")
     assert json.loads(s["calls"][0]["arguments"]) == {"city": "Rome"} and s["calls"][0]["name"] == "get_weather"
-    assert usage.completion_tokens == len(fake.engine.submitted[1].output_ids)
+    assert s["finish"] == ["tool_calls"]
+    # the named call is the one call: the output ends once its </function> is complete
+    end_call = fake.tok.token_to_id("</tool_call>")
+    assert usage.completion_tokens < fake.engine.submitted[1].output_ids.index(end_call)
+
+
+def test_named_tool_choice_allows_no_second_call(fake):
+    """A named tool_choice whose call the prompt opened ends the output after that call: a second call
+    (to another declared tool) is neither parsed nor generated."""
+    body = "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>\n" + CALL2
+    fake.engine.script(body, body)
+    kw = dict(messages=USER, tools=[WEATHER, TIME], reasoning_effort="none",
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    ns, s, r, _ = both(fake.client, **kw)
+    same(ns, s)
+    assert [c["name"] for c in s["calls"].values()] == ["get_weather"] and s["finish"] == ["tool_calls"]
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    assert fake.engine.cancelled[-2:] == [x.id for x in fake.engine.submitted[-2:]]
 
 
 def test_tool_history_with_json_string_arguments_renders_parameters(fake):
@@ -491,12 +531,12 @@ def test_a_call_cut_off_by_max_tokens_finishes_with_length(fake):
 
 
 def test_tool_choice_required_with_an_undeclared_name_leaves_no_markup(fake):
-    """The forced opening (<tool_call>\\n<function=) continued with no declared tool's name is dropped,
+    """The forced opening (<tool_call>\\n<function) continued with no declared tool's name is dropped,
     not returned as text the model never wrote."""
-    fake.engine.script("20, 36")
+    fake.engine.script("=20, 36")
     r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
                                             reasoning_effort="none")
-    assert fake.engine.prompt_text().endswith("<tool_call>\n<function=")
+    assert fake.engine.prompt_text().endswith("<tool_call>\n<function")
     m = r.choices[0].message
     assert m.tool_calls is None and "<tool_call>" not in (m.content or "") and "<function=" not in (m.content or "")
     assert r.choices[0].finish_reason == "stop"
