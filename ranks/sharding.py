@@ -63,6 +63,8 @@ def load_shard(ckpt: Checkpoint, spec: ModelSpec, rank: int, tp: int, dtype: tor
     for name in sorted(ckpt.tensors):
         if name.startswith("mtp.") and not layout.has_mtp:
             continue
+        if name in layout.ignored:
+            continue
         if any(name.startswith(p) for p in layout.per_expert):
             continue
         leaf = name.rsplit(".", 2)

@@ -311,6 +311,7 @@ class Layout:
     """What validate() found: which experts are stored per expert, whether MTP weights are present."""
     has_mtp: bool
     per_expert: frozenset[str]     # expert prefixes stored per expert (others are fused)
+    ignored: frozenset[str] = frozenset()    # accepted, never loaded (a zero-width shared expert)
 
 
 def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
@@ -339,6 +340,20 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
                     expected[name] = shape
     if spec.tie_word_embeddings and "lm_head.weight" in names:
         expected["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)   # accepted, not used
+    ignored: set[str] = set()
+    if spec.is_moe and not spec.shared_expert_intermediate_size:
+        # shared_expert_intermediate_size 0: transformers' save_pretrained writes the branch anyway, as
+        # zero-width projections and a [1, E] gate; it adds nothing, so they are accepted, not loaded
+        E = spec.hidden_size
+        zero = {"mlp.shared_expert.gate_proj.weight": (0, E), "mlp.shared_expert.up_proj.weight": (0, E),
+                "mlp.shared_expert.down_proj.weight": (E, 0), "mlp.shared_expert_gate.weight": (1, E)}
+        for prefix in _moe_prefixes(spec, has_mtp):
+            layer_p = prefix[: -len("mlp.experts.")]
+            present = [layer_p + k for k in zero if layer_p + k in names]
+            if present:                         # all four or none: a partial set is reported missing
+                for k, shape in zero.items():
+                    expected[layer_p + k] = shape
+                    ignored.add(layer_p + k)
 
     missing = sorted(set(expected) - names)
     if missing:
@@ -359,7 +374,7 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
         if info.dtype not in _FLOAT_TAGS:
             raise CheckpointError(f"{info.file}: tensor {info.key!r} has dtype {info.dtype}; expected one of "
                                   f"{', '.join(_FLOAT_TAGS)} (quantized checkpoints are not supported yet)")
-    return Layout(has_mtp=has_mtp, per_expert=frozenset(per_expert))
+    return Layout(has_mtp=has_mtp, per_expert=frozenset(per_expert), ignored=frozenset(ignored))
 
 
 def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.float32,
@@ -371,6 +386,8 @@ def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.f
         if name.startswith("mtp.") and not layout.has_mtp:
             continue
         if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name in layout.ignored:
             continue
         if any(name.startswith(p) for p in layout.per_expert):
             continue

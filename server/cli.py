@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from runtime.engine import CPU_MAX_STEP_TOKENS, CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK, step_sizes
@@ -256,20 +257,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"tandem generate: --prompt needs a tokenizer: {e}", file=sys.stderr)
             return 2
         args.print_token_ids = True
-    defaults = generation_defaults(model_dir)
+    try:
+        defaults = generation_defaults(model_dir)
+    except TokenizerError as e:
+        print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
     temperature = 0.0 if args.greedy else (args.temperature if args.temperature is not None
                                            else defaults.get("temperature", 1.0))
+    flags = dict(temperature=args.temperature if not args.greedy else 0.0, top_k=args.top_k, top_p=args.top_p)
     try:
         params = SamplingParams(
             temperature=temperature,
-            top_k=args.top_k if args.top_k is not None else int(defaults.get("top_k", 0) or 0),
+            # top_k <= 0 in generation_config.json means off (as `serve` reads it); -1 is vLLM's "off"
+            top_k=args.top_k if args.top_k is not None else max(0, int(defaults.get("top_k", 0) or 0)),
             top_p=args.top_p if args.top_p is not None else float(defaults.get("top_p", 1.0) or 1.0),
             min_p=args.min_p if args.min_p is not None else 0.0,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
             seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     except ValueError as e:
-        print(f"tandem generate: --{str(e).split(' ')[0].replace('_', '-')}: {e}", file=sys.stderr)
+        field = str(e).split(" ")[0]
+        if field in flags and flags[field] is None:         # the value came from the checkpoint, not a flag
+            where = os.path.join(model_dir, "generation_config.json")
+            print(f"tandem generate: cannot load {model_dir}: {where}: {e}", file=sys.stderr)
+        else:
+            print(f"tandem generate: --{field.replace('_', '-')}: {e}", file=sys.stderr)
         return 2
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
     extra_eos = (tokenizer.eos_token_ids if tokenizer else set()) | set(defaults.get("eos_token_ids", ()))
@@ -284,11 +296,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         spec_k = spec_draft_tokens(args, model_dir)
+        if args.tp > 1 and not args.random_weights:
+            # every header, name, shape and dtype (no tensor data) before rank processes start: a checkpoint
+            # that cannot load is refused here, as at tp 1, not reported by a rank
+            from ranks.weights import Checkpoint, validate
+            from runtime.config import load_spec
+            validate(Checkpoint(model_dir), load_spec(model_dir))
+    except (ConfigError, CheckpointError, OSError) as e:            # before ValueError: they are ValueErrors
+        print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"tandem generate: {e}", file=sys.stderr)
-        return 2
-    except (ConfigError, CheckpointError) as e:
-        print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
     try:
         if args.tp == 1 and not spec_k:

@@ -82,3 +82,58 @@ def test_step_sizes_follow_the_device(flags, want):
 
 def test_engine_options_leave_step_sizes_to_the_device():
     assert EngineOptions().prefill_chunk is None and EngineOptions().max_step_tokens is None
+
+
+def _copy_model(tmp_path):
+    import shutil
+
+    from tests.server_util import tiny_model_dir
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), d)
+    return d
+
+
+@pytest.mark.parametrize("content,names", [
+    ('{"temperature": "hot"}', ["generation_config.json", "'temperature'", "number"]),
+    ("{not json", ["generation_config.json"]),
+    ("[1, 2]", ["generation_config.json", "JSON object"]),
+    ('{"temperature": -0.5}', ["generation_config.json", "temperature must be >= 0"]),
+])
+def test_generate_refuses_a_bad_generation_config_naming_the_file(tmp_path, capsys, content, names):
+    """A checkpoint's generation_config.json that cannot be used is refused with exit 2 and a message
+    naming the file (not a traceback, nor a flag the user never passed)."""
+    d = _copy_model(tmp_path)
+    (d / "generation_config.json").write_text(content)
+    assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem generate: cannot load") and "Traceback" not in err, err
+    for name in names:
+        assert name in err, err
+
+
+def test_generate_reads_a_negative_top_k_in_generation_config_as_off(tmp_path, capsys):
+    d = _copy_model(tmp_path)
+    (d / "generation_config.json").write_text('{"top_k": -1, "temperature": 0.0}')
+    assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--print-token-ids"]) == 0
+
+
+def test_generate_at_tp2_refuses_a_bad_checkpoint_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """A checkpoint missing a tensor is refused at tp 2 as at tp 1 (exit 2, the tensor named), from the
+    safetensors headers, before rank processes are spawned."""
+    import runtime.coordinator as coordinator
+    from safetensors.torch import load_file, save_file
+
+    def no_spawn(*a, **kw):
+        raise AssertionError("a rank process was spawned for a checkpoint that cannot load")
+
+    monkeypatch.setattr(coordinator.subprocess, "Popen", no_spawn)
+    d = _copy_model(tmp_path)
+    shard = next(d.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    victim = sorted(k for k in tensors if "layers.0." in k)[0]
+    del tensors[victim]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert not (d / "model.safetensors.index.json").exists()
+    assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--tp", "2", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load" in err and victim.split("layers.0.", 1)[1] in err, err

@@ -527,3 +527,43 @@ def test_bf16_matches_transformers_eager(built: Built, seed: int):
     err = rel(_prefill(ours_model, ids, seed), _hf_logits(hf16, ids))
     _note(built.cfg.id, "bf16_ours_vs_hf_eager_bf16", err)
     assert err < BF16_EAGER_TOL, f"{built.cfg.id}: tandem bf16 vs transformers eager bf16: {err:.3e}"
+
+
+def test_moe_without_a_shared_expert_saved_by_transformers_loads_and_matches(tmp_path, seed):
+    """shared_expert_intermediate_size 0: transformers' save_pretrained still writes the shared branch
+    (zero-width projections, a [1, E] gate), which adds nothing. tandem accepts those tensors without
+    loading them (ranks.weights Layout.ignored), at tp 1 and in every tp 2 shard, and its float32 logits
+    match transformers'."""
+    from ranks.sharding import load_shard
+    from ranks.weights import validate
+    cfg = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=0)
+    gen = torch.Generator().manual_seed(seed)
+    hf = transformers.Qwen3_5MoeForCausalLM(cfg).eval()
+    randomise_(hf, gen)
+    hf.save_pretrained(tmp_path)
+    ckpt = Checkpoint(str(tmp_path))
+    spec = load_spec(str(tmp_path))
+    zero = sorted(n for n in ckpt.tensors if "shared_expert" in n)
+    assert len(zero) == 4 * spec.num_layers, zero                 # what transformers wrote
+    assert validate(ckpt, spec).ignored == frozenset(zero)
+    model = HybridModel.from_dir(str(tmp_path))
+    assert not any("shared_expert" in k for k in model.w)
+    for rank in range(2):
+        assert not any("shared_expert" in k for k in load_shard(ckpt, spec, rank, 2))
+    ids = torch.randint(0, VOCAB, (23,), generator=gen)
+    with torch.no_grad():
+        want = _hf_logits(hf, ids)
+    errs = _row_rel(_prefill(model, ids, seed), want)
+    assert errs.max() < FP32_TOL, _worst(errs)
+    # a partial set (one of the four missing) is still refused, naming the tensor
+    from safetensors.torch import load_file as _load, save_file as _save
+    shard = next(tmp_path.glob("*.safetensors"))
+    tensors = _load(str(shard))
+    del tensors[next(k for k in tensors if k.endswith("layers.0.mlp.shared_expert_gate.weight"))]
+    _save(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(Exception, match="shared_expert_gate"):
+        validate(Checkpoint(str(tmp_path)), spec)
