@@ -34,6 +34,7 @@ from starlette.routing import Route
 from server.disconnect import Guarded, until_disconnect
 from server.generation import collect_into
 from server.params import read_json
+from server.prompt import tool_arguments
 from server.reasoning_seal import ReasoningSeal
 from server.responses_output import CUSTOM_INPUT, ResponseBuilder, ToolSet, item_id
 from server.service import EFFORTS, APIError, ChatRequest, Finish, Prepared, Sampling, Service
@@ -213,6 +214,7 @@ class _Conversation:
             name = _get(item, "name", (str,), path + ".", required=True)
             if kind == "function_call":
                 arguments = _get(item, "arguments", (str,), path + ".") or "{}"
+                tool_arguments(arguments, path + ".arguments")    # refused here, named as this API names it
             else:
                 arguments = json.dumps({CUSTOM_INPUT: _get(item, "input", (str,), path + ".") or ""},
                                        ensure_ascii=False)

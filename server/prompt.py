@@ -56,7 +56,8 @@ def content_text(content: Any, param: str) -> str:
     return "".join(out)
 
 
-def _arguments(value: Any, param: str) -> dict:
+def tool_arguments(value: Any, param: str) -> dict:
+    """A tool call's arguments (a JSON object, or a string of one) as a dict; APIError 400 naming `param`."""
     if value is None or value == "":
         return {}
     if isinstance(value, str):
@@ -81,7 +82,7 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad(f"'{p}.function.name' must be a non-empty string", f"{p}.function.name")
         out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"),
+                    "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("arguments"),
                                                                             f"{p}.function.arguments")}})
     return out
 

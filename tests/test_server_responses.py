@@ -526,3 +526,18 @@ def test_an_overflowing_number_is_refused_before_it_is_echoed(svc, url):
         r = httpx.post(url + "/v1/responses", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
     assert svc.started == []
+
+
+@pytest.mark.parametrize("arguments, fault", [("{bad", "is not valid JSON"), ("[1, 2]", "must be a JSON object")])
+def test_bad_function_call_arguments_are_named_as_input_items(svc, url, arguments, fault):
+    """A function_call item whose arguments are not a JSON object is refused naming the item's own field
+    (input[1].arguments), not the Chat-shaped path the shared prompt code uses internally."""
+    body = {"model": MODEL, "max_output_tokens": 2,
+            "input": [{"role": "user", "content": "hi"},
+                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+                      {"type": "function_call_output", "call_id": "c1", "output": "r"}]}
+    r = post(url, body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input[1].arguments", r.text
+    assert "'input[1].arguments'" in err["message"] and fault in err["message"] and "messages" not in err["message"]
+    assert svc.started == []
