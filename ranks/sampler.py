@@ -197,7 +197,9 @@ def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
     if s.banned:
         ids = [t - offset for t in s.banned if offset <= t < offset + n]
         if ids:
-            out[to_device(ids, torch.long, out.device)] = float("-inf")
+            # index_fill_, not out[ids] = -inf: a Python scalar put through an index is copied to the
+            # device from pageable memory, which waits for the stream
+            out.index_fill_(0, to_device(ids, torch.long, out.device), float("-inf"))
     if not s.has_penalties or not s.seen:
         return out
     if s.repetition_penalty != 1.0:

@@ -50,7 +50,7 @@ class _Pending:
     ids: torch.Tensor                   # int64 [R] on the model's device: what a fed step takes
     host: torch.Tensor                  # float32 [R, 2] (score, id): pinned on a GPU, filled by the copy
     ready: "torch.cuda.Event | None"    # recorded after the copy (None on the CPU: nothing is pending)
-    t0: float
+    launch_s: float                     # host seconds from the plan to the step's launch
     fed: bool                           # its own inputs came from the device
 
 
@@ -104,8 +104,14 @@ class Worker:
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
         self.last_sampled: dict[int, int] = {}            # per sequence, its token sampled last (steps planned ahead)
-        # device-fed steps (submit); off by default until measured on a GPU (docs/perf.md)
+        # device-fed steps (submit); off by default until measured on a GPU (docs/perf.md). Only with an
+        # all-reduce that runs on the stream: the staged copies sync the stream anyway, so the merge there
+        # would cost an exchange and gain nothing (every rank chose the same transport: choose() votes)
         self.device_feed = bool(opts.get("device_feed", False))
+        if self.device_feed and self.transport is not None and not self.transport.capturable:
+            log.warning("rank %d: device-fed steps are off: the %s transport synchronises the stream",
+                        self.rank, self.transport.name)
+            self.device_feed = False
         self.pending: _Pending | None = None
         self.fed_steps = 0
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
@@ -147,6 +153,7 @@ class Worker:
             runtime["cuda_graphs"] = True
         if self.spec_k:
             runtime["spec_rounds"] = "gpu" if self.gpu_rounds is not None else "eager"
+        runtime["device_feed"] = self.device_feed
         if self.backend == "cuda":                       # what a decode step reads here (benchmark floors)
             from ranks.model_cuda import step_byte_parts
             try:
@@ -230,7 +237,8 @@ class Worker:
         rows = [b for b, flag in enumerate(plan.sample.tolist()) if flag]
         smp = [self.samplers[seq_ids[b]] for b in rows]
         positions = [starts[b] + columns[b] for b in rows]
-        if rows and self.device_feed and not any(s.needs_full_distribution for s in smp):
+        # decode-sized steps only: a long prefill chunk would leave the rank spinning for its whole length
+        if rows and self.device_feed and self.model_feeds(columns) and not any(s.needs_full_distribution for s in smp):
             self._pend(plan, seq_ids, rows, _take_rows(out.logits, rows).float(), smp, positions, t0,
                        feed is not None)
             return done
@@ -275,7 +283,9 @@ class Worker:
             ready.record()
         else:
             host, ready = picked, None
-        self.pending = _Pending(plan, seq_ids, rows, ids, host, ready, t0, fed)
+        # elapsed_s: the host's work on the step (to here) plus flush's (its wait for the device included),
+        # not the next step's launch that may come in between
+        self.pending = _Pending(plan, seq_ids, rows, ids, host, ready, time.perf_counter() - t0, fed)
 
     def _feed(self, seq_ids: list[int], columns: list[int], tokens: np.ndarray) -> tuple | None:
         """(columns, ids) on the model's device: the step's LAST_SAMPLED columns and the pending
@@ -316,17 +326,19 @@ class Worker:
         if p is None:
             return []
         self.pending = None
+        t0 = time.perf_counter() - p.launch_s          # elapsed_s = launch_s + this flush
         if p.ready is not None:
             p.ready.synchronize()
         if self.transport is not None:
             self.transport.check()                      # tokens after a peer's hang are garbage: refuse them
         scores, ids = p.host[:, 0].numpy(), p.host[:, 1].numpy()
         bad = np.flatnonzero(np.isnan(scores))
-        if bad.size:
-            raise _nan_row(int(bad[0]))
+        if bad.size:                                    # named as its own step: the next may be launched
+            e = _nan_row(int(bad[0]))
+            raise type(e)(f"step {p.plan.step}: {e}")
         if self.profiler is not None:
             self.profiler.mark("sampled")
-        result = self._finish_step(p.plan, p.seq_ids, p.rows, ids.astype(np.int64).tolist(), p.t0, p.fed)
+        result = self._finish_step(p.plan, p.seq_ids, p.rows, ids.astype(np.int64).tolist(), t0, p.fed)
         return [result] if result is not None else []
 
 
@@ -737,8 +749,10 @@ def _recv_or_ready(sock, stop: threading.Event, kinds, ready):
     """The next message, or _READY once ready() (a pending step's tokens reached the host), whichever
     comes first; None when stopping. Spins: the wait is a GPU step at most, and a message or the
     tokens are acted on within microseconds."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
     while not stop.is_set():
-        if sock.poll(0):
+        if poller.poll(0):
             m = msg.recv(sock)
             if isinstance(m, kinds):
                 return m
