@@ -257,11 +257,14 @@ def create_app(service: Service, api_key: str | None = None, *, engine_loader: C
                on_fatal: Callable[[str], None] | None = None, metrics=None,
                max_body_bytes: int = 16 * 2**20, max_header_bytes: int = 32 * 2**10,
                watch_interval_s: float = 0.2, fatal_grace_s: float = 2.0,
-               throughput_interval_s: float = 10.0, attachments: tuple = ()) -> Starlette:
+               throughput_interval_s: float = 10.0, attachments: tuple = (), drain_timeout_s: float = 0.0
+               ) -> Starlette:
     """The HTTP app for `service`. metrics (GET /metrics) defaults to service.metrics, else a new Metrics
     that the service then reports to. attachments: other frontends sharing the loop (e.g. a
     server.zmq_api.ZmqServer): start() runs in the lifespan's startup (an exception fails the startup),
-    `await aclose()` at shutdown, before the engine stops."""
+    at shutdown `await drain(drain_timeout_s)` where they have it (their requests in flight may finish,
+    as HTTP ones may during uvicorn's graceful shutdown), then `await aclose()`, before the engine stops.
+    The watchdog keeps watching the engine through the drain."""
     metrics = metrics if metrics is not None else service.metrics
     if metrics is None:
         from server.metrics import Metrics
@@ -295,6 +298,9 @@ def create_app(service: Service, api_key: str | None = None, *, engine_loader: C
             yield
         finally:
             service.begin_drain()
+            for a in started:
+                if hasattr(a, "drain"):
+                    await a.drain(drain_timeout_s)
             watchdog.cancel()
             for a in started:
                 await a.aclose()
@@ -327,7 +333,7 @@ def _load(service: Service, engine_loader: Callable[[], Any]) -> None:
 async def _watch(service: Service, interval_s: float, grace_s: float, fatal: Callable[[str], None]) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        if service.state == "ready":
+        if service.state in ("ready", "draining"):           # a rank may die while requests drain
             stats = service.stats()
             if stats and not stats.get("healthy", True):
                 service.fail(stats.get("failure") or "the engine reported unhealthy")

@@ -250,6 +250,14 @@ class ZmqServer:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    async def drain(self, timeout_s: float) -> None:
+        """At shutdown (the service draining: new requests refused): wait up to timeout_s for the requests
+        in flight to finish; ends early once the service stops draining (the shutdown deadline stopped
+        the engine, or it failed)."""
+        deadline = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < deadline and self.service.state == "draining":
+            await asyncio.sleep(0.02)
+
     async def aclose(self) -> None:
         """Stop serving and wait until every in-flight request has ended and the socket is closed."""
         task = self._serve_task

@@ -545,6 +545,62 @@ def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_not_a_cut
         p.close()
 
 
+def test_zmq_requests_in_flight_may_finish_after_sigterm_with_no_http_connection_open(tmp_path):
+    """SIGTERM while only a ZeroMQ request runs (no HTTP connection, so uvicorn's graceful wait is
+    over at once): the request still gets --shutdown-timeout-s to finish, as HTTP ones do; exit 0."""
+    endpoint = f"ipc://{tmp_path}/zmq.sock"
+    p = ServeProcess(tiny_model_dir(), "--max-context", "2048", "--shutdown-timeout-s", "20",
+                     "--zmq-endpoint", endpoint)
+    try:
+        p.wait_healthy()
+        from server.zmq_client import ZmqClient
+
+        result = {}
+
+        def run():
+            with ZmqClient(endpoint, timeout_s=60) as zc:
+                try:
+                    result["r"] = zc.chat(USER, stream=False, max_tokens=400, ignore_eos=True)
+                except Exception as e:                  # noqa: BLE001 - reported below
+                    result["error"] = e
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        p.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert "error" not in result, result
+        r = result["r"]
+        assert r.finish_reason == "length" and r.usage["completion_tokens"] == 400, r
+        assert p.proc.wait(30) == 0, "".join(p.lines)
+    finally:
+        p.close()
+
+
+def test_a_rank_that_dies_while_requests_drain_still_exits_1(tmp_path):
+    """SIGTERM, then a rank dies while a long stream drains: the stream ends with the engine's error, the
+    request log records engine_failed and the process exits 1 (a failure, not a clean stop)."""
+    log = tmp_path / "log.jsonl"
+    p = ServeProcess(tiny_model_dir(), "--max-context", "4096", "--shutdown-timeout-s", "20",
+                     "--request-log-jsonl", str(log))
+    try:
+        p.wait_healthy()
+        ranks = _rank_pids(p.proc.pid)
+        body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            p.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            os.kill(ranks[0], signal.SIGKILL)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert "error" in json.loads(rest[-1][6:]), rest[-1]
+        assert p.proc.wait(30) == 1, "".join(p.lines)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        p.close()
+    assert "engine_failed" in [json.loads(line)["event"] for line in log.read_text().splitlines()]
+
+
 def test_serve_exits_nonzero_promptly_when_a_rank_dies():
     p = ServeProcess(tiny_model_dir(), "--max-context", "2048")
     try:
