@@ -302,6 +302,9 @@ def create_app(service: Service, api_key: str | None = None, *, engine_loader: C
                 if hasattr(a, "drain"):
                     await a.drain(drain_timeout_s)
             watchdog.cancel()
+            _check_engine(service)                  # a failure in the watchdog's last interval counts too
+            if service.state == "failed":
+                fatal(service.failure or "engine failure")
             for a in started:
                 await a.aclose()
             if loader is not None:
@@ -330,13 +333,19 @@ def _load(service: Service, engine_loader: Callable[[], Any]) -> None:
     log.info("engine ready in %.1f s", time.monotonic() - t0)
 
 
+def _check_engine(service: Service) -> None:
+    """Mark the service failed if its engine reports unhealthy (also while requests drain: a rank may die
+    then, and that is a failure, not a clean stop)."""
+    if service.state in ("ready", "draining"):
+        stats = service.stats()
+        if stats and not stats.get("healthy", True):
+            service.fail(stats.get("failure") or "the engine reported unhealthy")
+
+
 async def _watch(service: Service, interval_s: float, grace_s: float, fatal: Callable[[str], None]) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        if service.state in ("ready", "draining"):           # a rank may die while requests drain
-            stats = service.stats()
-            if stats and not stats.get("healthy", True):
-                service.fail(stats.get("failure") or "the engine reported unhealthy")
+        _check_engine(service)
         if service.state == "failed":
             deadline = time.monotonic() + grace_s
             while service.in_flight > 0 and time.monotonic() < deadline:
