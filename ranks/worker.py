@@ -225,7 +225,7 @@ class Worker:
         if self.profiler is not None:
             self.profiler.mark("launched")
         if feed is not None:                            # the previous step's tokens, while this one runs
-            done = self.flush()
+            done = self.flush(mark="previous sampled")
             self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
             self.fed_steps += 1
         at = 0
@@ -319,7 +319,7 @@ class Worker:
         p = self.pending
         return p is None or p.ready is None or p.ready.query()
 
-    def flush(self) -> list[msg.StepResult]:
+    def flush(self, mark: str = "sampled") -> list[msg.StepResult]:
         """Finish the pending step, if any: wait for its tokens on the host, record them; its result
         (rank 0) in a list."""
         p = self.pending
@@ -336,8 +336,8 @@ class Worker:
         if bad.size:                                    # named as its own step: the next may be launched
             e = _nan_row(int(bad[0]))
             raise type(e)(f"step {p.plan.step}: {e}")
-        if self.profiler is not None:
-            self.profiler.mark("sampled")
+        if self.profiler is not None:                   # inside the next step's row when that one was fed
+            self.profiler.mark(mark)
         result = self._finish_step(p.plan, p.seq_ids, p.rows, ids.astype(np.int64).tolist(), t0, p.fed)
         return [result] if result is not None else []
 
@@ -572,7 +572,10 @@ class StepProfiler:
                         TANDEM_PROFILE_KERNELS=0 leaves the profiler off
       rank{R}-host.txt  per step, host clock marks (time.time(), comparable across ranks): the plan
                         received, the step's own marks (prepared, launched, sampled; a GPU round:
-                        launched, synchronised), computed, done."""
+                        launched, synchronised), computed, done. With device-fed steps a fed step's
+                        row has "previous sampled" (the step before it reached the host) after
+                        launched, and its own "sampled" lands in the next row (or nowhere, when no
+                        step follows at once)."""
 
     def __init__(self, out_dir: str, rank: int, skip: int, steps: int, kernels: bool = True):
         self.out_dir, self.rank, self.skip, self.steps, self.kernels = out_dir, rank, skip, steps, kernels
