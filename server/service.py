@@ -49,6 +49,7 @@ class APIError(Exception):
         self.status, self.kind, self.message, self.param = status, kind, message, param
         self.retry_after_s, self.should_retry = retry_after_s, should_retry
         self.code, self.headers = code, headers
+        self.recorded = False           # counted and logged (Service.record_rejected) already
 
 
 @dataclass
@@ -584,6 +585,11 @@ class Service:
             self.in_flight -= 1
 
     def record_rejected(self, err: APIError, api: str | None = None) -> None:
+        """Count and log a refusal, once per error: an engine refusal is recorded where it happens and
+        then reaches the HTTP error handler, which records what reaches it."""
+        if err.recorded:
+            return
+        err.recorded = True
         ctx = current_request.get()
         if self.metrics is not None:
             self.metrics.request_rejected(api or "other", ctx.client if ctx else None, err.status)

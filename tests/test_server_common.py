@@ -265,16 +265,25 @@ def test_api_key_is_required_except_for_health_and_metrics(srv):
 
 
 def test_engine_refusals_are_429_and_503_with_retry_headers(srv):
+    """...and each refusal is counted and logged once (it is recorded where the engine refuses, then
+    passes the HTTP error handler)."""
     try:
         srv.engine.raise_on_submit = Overloaded("queue full")
-        r = post(srv, "/v1/chat/completions", CHAT)
+        r = post(srv, "/v1/chat/completions", CHAT, headers={"X-Tandem-Client": "refused/429"})
         assert_openai_error(r, 429, code="rate_limit_exceeded")
         assert r.headers["retry-after"] == "1" and r.headers["retry-after-ms"] == "1000"
         srv.engine.raise_on_submit = EngineError("rank 0 died")
-        assert_openai_error(post(srv, "/v1/chat/completions", {**CHAT, "stream": True}), 503)
+        r503 = post(srv, "/v1/chat/completions", {**CHAT, "stream": True}, headers={"X-Tandem-Client": "refused/503"})
+        assert_openai_error(r503, 503)
     finally:
         srv.engine.raise_on_submit = None
     assert_serving(srv)
+    text = srv.http.get("/metrics").text
+    for client, status in (("refused/429", 429), ("refused/503", 503)):
+        assert re.search(rf'tandem_requests_total\{{api="chat",client="{client}",status="{status}"\}} 1\.0', text), client
+    events = [json.loads(line) for line in open(srv.log).read().splitlines()]
+    for rid in (r.headers["x-request-id"], r503.headers["x-request-id"]):
+        assert [e["event"] for e in events if e.get("request_id") == rid] == ["request_rejected"], rid
 
 
 def test_metrics_report_requests_tokens_and_scheduler_gauges(srv):
