@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             if worker.pending is None:
                 m = _recv_until(sock, stop, kinds)
             else:                   # a step's tokens are on their way: the next plan, or them, first
-                m = _recv_or_ready(sock, stop, kinds, worker.pending_ready)
+                m = _recv_until(sock, stop, kinds, worker.pending_ready)
                 if m is _READY:
                     for r in worker.flush():
                         msg.send(sock, r)
@@ -748,32 +748,20 @@ def main(argv: list[str] | None = None) -> int:
 _READY = object()
 
 
-def _recv_or_ready(sock, stop: threading.Event, kinds, ready):
-    """The next message, or _READY once ready() (a pending step's tokens reached the host), whichever
-    comes first; None when stopping. Spins: the wait is a GPU step at most, and a message or the
-    tokens are acted on within microseconds."""
+def _recv_until(sock, stop: threading.Event, kinds, ready=None):
+    """The next message (one of `kinds`); None when stopping. With `ready` (a pending step: its tokens
+    are on their way to the host), _READY once ready() is true, whichever comes first; then it spins,
+    as the wait is a GPU step at most and a message or the tokens are acted on within microseconds."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     while not stop.is_set():
-        if poller.poll(0):
+        if poller.poll(0 if ready is not None else 100):
             m = msg.recv(sock)
             if isinstance(m, kinds):
                 return m
             raise msg.ProtocolError(f"unexpected {type(m).__name__}")
-        if ready():
+        if ready is not None and ready():
             return _READY
-    return None
-
-
-def _recv_until(sock, stop: threading.Event, kinds):
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while not stop.is_set():
-        if poller.poll(100):
-            m = msg.recv(sock)
-            if isinstance(m, kinds):
-                return m
-            raise msg.ProtocolError(f"unexpected {type(m).__name__}")
     return None
 
 

@@ -139,19 +139,15 @@ class StackGather:
         return gather
 
 
-def sample_tp(logits: torch.Tensor, make_samplers, positions: list[int], tp: int) -> list[list[int]]:
-    """sample_rows on `tp` simulated ranks (threads), each with its vocabulary shard; every rank's tokens."""
-    if tp == 1:
-        return [sample_rows(logits, make_samplers(), positions, rank=0, tp=1, gather=None)]
-    n = logits.shape[1] // tp
+def on_ranks(tp: int, fn) -> list:
+    """fn(r, gather) on `tp` simulated ranks (threads) sharing a StackGather; every rank's result."""
     g = StackGather(tp)
     out: list = [None] * tp
     errors: list = []
 
     def run(r: int) -> None:
         try:
-            out[r] = sample_rows(logits[:, r * n:(r + 1) * n].contiguous(), make_samplers(), positions, rank=r,
-                                 tp=tp, gather=g.for_rank(r))
+            out[r] = fn(r, g.for_rank(r))
         except BaseException as e:       # pragma: no cover - reported below
             errors.append(e)
             g.barrier.abort()
@@ -164,6 +160,15 @@ def sample_tp(logits: torch.Tensor, make_samplers, positions: list[int], tp: int
     if errors:
         raise errors[0]
     return out
+
+
+def sample_tp(logits: torch.Tensor, make_samplers, positions: list[int], tp: int) -> list[list[int]]:
+    """sample_rows on `tp` simulated ranks (threads), each with its vocabulary shard; every rank's tokens."""
+    if tp == 1:
+        return [sample_rows(logits, make_samplers(), positions, rank=0, tp=1, gather=None)]
+    n = logits.shape[1] // tp
+    return on_ranks(tp, lambda r, gather: sample_rows(logits[:, r * n:(r + 1) * n].contiguous(), make_samplers(),
+                                                      positions, rank=r, tp=tp, gather=gather))
 
 
 def fixed_row(seed: int) -> torch.Tensor:
@@ -397,26 +402,12 @@ def test_candidates_merged_on_the_device_equal_the_host_merge(tp, seed):
 
     want = sample_tp(rows, samplers, positions, tp)[0]
     n = V // tp
-    g = StackGather(tp)
-    got: list = [None] * tp
-    errors: list = []
 
-    def run(r: int) -> None:
-        try:
-            shard = rows[:, r * n:(r + 1) * n].contiguous()
-            cand = local_candidates(shard, samplers(), positions, list(range(R)), r * n, batched=True, on_host=False)
-            got[r] = merge_on_device(cand, r, tp, lambda t: g.for_rank(r)(t).sum(0))
-        except BaseException as e:       # pragma: no cover - reported below
-            errors.append(e)
-            g.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    def rank(r: int, gather):
+        shard = rows[:, r * n:(r + 1) * n].contiguous()
+        cand = local_candidates(shard, samplers(), positions, list(range(R)), r * n, batched=True, on_host=False)
+        return merge_on_device(cand, r, tp, lambda t: gather(t).sum(0))
+    got = on_ranks(tp, rank)
     for r in range(tp):
         assert torch.equal(got[r], got[0]), f"rank {r} merged otherwise than rank 0"
         assert got[r][:, 1].long().tolist() == want, (got[r][:, 1].tolist(), want)
