@@ -113,7 +113,6 @@ class Worker:
                         self.rank, self.transport.name)
             self.device_feed = False
         self.pending: _Pending | None = None
-        self.fed_steps = 0
         self.spec_k = int(hello.options.get("spec_draft_tokens", 0) or 0)
         # the reduced proposal head: drafts only among token ids below this (0 = the whole vocabulary)
         from ranks.spec_cuda import draft_head_rows
@@ -227,7 +226,6 @@ class Worker:
         if feed is not None:                            # the previous step's tokens, while this one runs
             done = self.flush(mark="previous sampled")
             self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
-            self.fed_steps += 1
         at = 0
         for sid, c, s in zip(seq_ids, columns, starts):
             self.samplers[sid].observe(tokens[at:at + c].tolist(), s)
