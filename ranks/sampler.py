@@ -272,10 +272,7 @@ def local_candidates(logits: Tensor, samplers: list[SeqSampler], positions: list
             k = _argmax_lowest(row)
             cand[j, 0], cand[j, 1] = row[k], offset + k
         return cand
-    # every row in order (a decode step's usual case) needs no index: a list index is a host-to-device
-    # copy that waits for the device, which device-fed steps must not
-    x = (logits if rows == list(range(logits.shape[0])) else
-         logits.index_select(0, to_device(rows, torch.int64, logits.device))).double()
+    x = take_rows(logits, rows).double()
     for j, s in enumerate(samplers):
         if s.adjusts_logits:
             x[j] = apply_penalties(x[j], s, offset)
@@ -305,11 +302,24 @@ def merge_on_device(cand: Tensor, rank: int, tp: int, all_reduce: Callable[[Tens
         return cand
     buf = cand.new_zeros((tp, *cand.shape))
     buf[rank] = cand
-    allc = all_reduce(buf.view(-1)).view(buf.shape)
+    return torch.stack(merge_slots(all_reduce(buf.view(-1)).view(buf.shape)), dim=1)
+
+
+def merge_slots(allc: Tensor) -> tuple[Tensor, Tensor]:
+    """Every rank's (score, id) candidates [tp, L, 2] -> (best score [L], its id [L], float32): the
+    largest score, ties to the lower id (a NaN best leaves the id +inf)."""
     vals, ids = allc[..., 0], allc[..., 1]
     best = vals.max(0).values
-    pick = torch.where(vals == best, ids, torch.full_like(ids, float("inf"))).min(0).values
-    return torch.stack([best, pick], dim=1)
+    return best, torch.where(vals == best, ids, torch.full_like(ids, float("inf"))).min(0).values
+
+
+def take_rows(t: Tensor, rows: list[int]) -> Tensor:
+    """t[rows] without waiting for the device: no index when the rows are all of t's in order (a decode
+    step), else an index tensor through pinned memory (a Python list index copies from pageable memory,
+    which synchronises the stream)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(rows, torch.int64, t.device))
 
 
 def sample_rows(logits: Tensor, samplers: list[SeqSampler], positions: list[int], *, rank: int, tp: int,

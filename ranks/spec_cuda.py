@@ -38,6 +38,7 @@ import torch
 
 from ranks.model import Batch, commit_rows
 from ranks.model_cuda import CudaHybridModel, DeviceBatch, pow2
+from ranks.sampler import merge_slots
 from runtime.config import PAGE_SIZE
 
 Tensor = torch.Tensor
@@ -228,6 +229,4 @@ def shard_candidates(logits: Tensor, rank: int, tp: int, offset: int | None = No
 
 def merge_candidates(buf: Tensor) -> Tensor:
     """[tp, R, 2] candidates of every rank -> int64 [R]: the largest value, ties to the lower id."""
-    vals, ids = buf[..., 0], buf[..., 1]
-    best = vals.max(0).values
-    return torch.where(vals == best, ids, float("inf")).min(0).values.long()
+    return merge_slots(buf)[1].long()

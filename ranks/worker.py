@@ -29,7 +29,7 @@ import zmq
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
 from ranks.sampler import (SeqSampler, _nan_row, accept_greedy, accept_sampled, argmax_rows, gather_log_probs,
-                           local_candidates, merge_on_device, sample_rows, with_tokens)
+                           local_candidates, merge_on_device, sample_rows, take_rows, with_tokens)
 from ranks.backend import choose_backend
 from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
@@ -52,18 +52,6 @@ class _Pending:
     ready: "torch.cuda.Event | None"    # recorded after the copy (None on the CPU: nothing is pending)
     launch_s: float                     # host seconds from the plan to the step's launch
     fed: bool                           # its own inputs came from the device
-
-
-def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows] without a host synchronisation: no index when the rows are all of t's in order (a decode
-    step), else an index through pinned memory (a Python list index copies from pageable memory,
-    which waits for the device)."""
-    if rows == list(range(t.shape[0])):
-        return t
-    idx = torch.tensor(rows, dtype=torch.int64)
-    if t.device.type == "cuda":
-        idx = idx.pin_memory().to(t.device, non_blocking=True)
-    return t.index_select(0, idx)
 
 
 class Worker:
@@ -237,12 +225,12 @@ class Worker:
         positions = [starts[b] + columns[b] for b in rows]
         # decode-sized steps only: a long prefill chunk would leave the rank spinning for its whole length
         if rows and self.device_feed and self.model_feeds(columns) and not any(s.needs_full_distribution for s in smp):
-            self._pend(plan, seq_ids, rows, _take_rows(out.logits, rows).float(), smp, positions, t0,
+            self._pend(plan, seq_ids, rows, take_rows(out.logits, rows).float(), smp, positions, t0,
                        feed is not None)
             return done
         sampled: list[int] = []
         if rows:
-            sampled = sample_rows(_take_rows(out.logits, rows).float(), smp, positions, rank=self.rank, tp=self.tp,
+            sampled = sample_rows(take_rows(out.logits, rows).float(), smp, positions, rank=self.rank, tp=self.tp,
                                   gather=self.mailbox.all_gather)
         if self.profiler is not None:
             self.profiler.mark("sampled")

@@ -346,13 +346,22 @@ def test_shared_expert_is_folded_where_shapes_allow(name, folded, seed):
         assert all((q + n in m.w) == folded for n in SHARED_FOLD), q
 
 
+def _model_pair(spec, seed, graphs: tuple[bool, bool]):
+    """Two CUDA models on the same random bfloat16 weights (CUDA graphs on or off for each)."""
+    from ranks.model_cuda import CudaHybridModel
+    w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
+    return [CudaHybridModel(spec, dict(w), cuda_graphs=g) for g in graphs]
+
+
+def _assert_same_states(a, b) -> None:
+    for x, y in zip(a.recurrent + a.k, b.recurrent + b.k):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])
 def test_graph_replay_equals_eager_bit_for_bit(name, seed):
     spec = SPECS[name]()
-    from ranks.model_cuda import CudaHybridModel
-    w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
-    eager = CudaHybridModel(spec, dict(w), cuda_graphs=False)
-    graphed = CudaHybridModel(spec, dict(w), cuda_graphs=True)
+    eager, graphed = _model_pair(spec, seed, (False, True))
     g = torch.Generator().manual_seed(seed)
     B, steps = 3, 12
     states = [m.new_state(B, B * 2) for m in (eager, graphed)]
@@ -362,8 +371,7 @@ def test_graph_replay_equals_eager_bit_for_bit(name, seed):
         outs = [m.forward(Batch(ids, [1] * B, [t] * B, list(range(B)), tables), s) for m, s in zip((eager, graphed), states)]
         assert torch.equal(outs[0].logits, outs[1].logits), f"step {t}"
     assert graphed.graphs.replays >= steps - 2
-    for a, b in zip(states[0].recurrent + states[0].k, states[1].recurrent + states[1].k):
-        assert torch.equal(a, b)
+    _assert_same_states(*states)
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
@@ -373,14 +381,12 @@ def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs,
     """Device-fed steps (ranks/worker.py): the ids chosen on the device (local_candidates left on the
     device, merge_on_device) are written into the next step's uploaded metadata (forward's feed)
     instead of coming from the host. Decoding that way must give the host-fed decoding's logits bit
-    for bit and the host sampler's ids (sample_rows: greedy, or seeded temperatures with penalties), and, once the graphs are captured, launching a fed step and choosing its ids must
-    not wait for the device (torch's sync debug mode raises on a synchronising call)."""
-    from ranks.model_cuda import CudaHybridModel
+    for bit and the host sampler's ids (sample_rows: greedy, or seeded temperatures with penalties),
+    and, once the graphs are captured, launching a fed step and choosing its ids must not wait for
+    the device (torch's sync debug mode raises on a synchronising call)."""
     from ranks.sampler import SeqSampler, local_candidates, merge_on_device, sample_rows
     spec = SPECS[name]()
-    w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
-    host_fed = CudaHybridModel(spec, dict(w), cuda_graphs=graphs)
-    dev_fed = CudaHybridModel(spec, dict(w), cuda_graphs=graphs)
+    host_fed, dev_fed = _model_pair(spec, seed, (graphs, graphs))
     g = torch.Generator().manual_seed(seed)
     B, steps = 3, 12
     states = [m.new_state(B, B * 2) for m in (host_fed, dev_fed)]
@@ -413,8 +419,7 @@ def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs,
         # the host path as a rank runs it on this device (the noise's log is the device's own)
         ids = torch.tensor(sample_rows(a.logits.float(), samplers, [t + 1] * B, rank=0, tp=1, gather=None))
         assert torch.equal(feed[1].cpu(), ids), f"step {t}: device ids {feed[1].tolist()} != host {ids.tolist()}"
-    for x, y in zip(states[0].recurrent + states[0].k, states[1].recurrent + states[1].k):
-        assert torch.equal(x, y)
+    _assert_same_states(*states)
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-folded", "small"])
