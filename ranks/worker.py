@@ -92,10 +92,13 @@ class Worker:
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
         self.last_sampled: dict[int, int] = {}            # per sequence, its token sampled last (steps planned ahead)
-        # device-fed steps (submit); off by default until measured on a GPU (docs/perf.md). Only with an
-        # all-reduce that runs on the stream: the staged copies sync the stream anyway, so the merge there
-        # would cost an exchange and gain nothing (every rank chose the same transport: choose() votes)
-        self.device_feed = bool(opts.get("device_feed", False))
+        # device-fed steps (submit). Unset: on for the cuda backend at tp 1, where it was measured (the 27B
+        # nvfp4 engine step 10.2 -> 9.1 ms, docs/perf.md); tp > 1 waits for its two-GPU run, and the CPU
+        # runs nothing ahead, so there it would only add work. Only with an all-reduce that runs on the
+        # stream: the staged copies sync the stream anyway, so the merge there would cost an exchange and
+        # gain nothing (every rank chose the same transport: choose() votes)
+        feed = opts.get("device_feed")
+        self.device_feed = bool(feed) if feed is not None else (self.backend == "cuda" and self.tp == 1)
         if self.device_feed and self.transport is not None and not self.transport.capturable:
             log.warning("rank %d: device-fed steps are off: the %s transport synchronises the stream",
                         self.rank, self.transport.name)

@@ -71,8 +71,9 @@ class EngineOptions:
     kv_dtype: str = "bf16"               # KV cache: bf16 (the activation dtype) | int8 (+ fp32 scale per 64 channels)
     cuda_graphs: bool = True             # capture decode steps as CUDA graphs (cuda backend)
     overlap_steps: bool = True           # plan the next decode step while one runs (one step queued ahead)
-    device_feed: bool = False            # tokens chosen on the device feed the next step, launched before they
-                                         # reach the host (ranks/worker.py); pays with overlap_steps
+    device_feed: bool | None = None      # tokens chosen on the device feed the next step, launched before they
+                                         # reach the host (ranks/worker.py); pays with overlap_steps. None: on for
+                                         # the cuda backend at tp 1 (measured: docs/perf.md), off otherwise
     random_weights: bool = False         # build random weights on the device from config.json alone
     transport: str = "auto"              # tp > 1 all-reduce on GPUs: auto | mailbox | copies | nccl | cpu
     gpu_mailbox_words: int = 1 << 18     # words per slot of the GPU mailbox (one word per element)

@@ -162,10 +162,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
                    help="plan each step only after the previous one's result (default: the next decode step "
                         "is planned and queued while one runs)")
-    s.add_argument("--device-feed", action="store_true",
-                   help="choose greedy and temperature-only tokens on the device and feed them to the next "
-                        "step, launched before they reach the host (experimental: not yet measured on a GPU; "
-                        "default: every step's tokens reach the host first)")
+    s.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose greedy and temperature-only tokens on the GPU and feed them to the next step, "
+                        "launched before they reach the host (default: on at tp 1 with the cuda backend; "
+                        "at tp > 1 not yet measured on GPUs, so off unless asked for)")
     s.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer or x-api-key); default $TANDEM_API_KEY")
     s.add_argument("--model-id", default=None, help="model name clients use (default: the model directory's name)")

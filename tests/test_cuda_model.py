@@ -550,6 +550,27 @@ def test_speculation_on_the_cuda_backend_keeps_greedy_output(draft_tokens):
     print(f"K={draft_tokens}: {stats['tokens_per_round']:.2f} tokens per round on the CUDA backend")
 
 
+def test_engine_feeds_steps_from_the_device_by_default_at_tp1():
+    """EngineOptions.device_feed unset: on for the cuda backend at tp 1; the same greedy ids as with
+    it off (two concurrent prompts, so fed steps carry two rows), and most steps fed."""
+    from ranks.demo import default_model_dir
+    from runtime import Engine, EngineOptions, SamplingParams
+    from runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(default_model_dir())
+    prompts = [tok.encode("def fibonacci(n):\n"), tok.encode("The capital of France is")]
+    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    outs = {}
+    for feed in (None, False):
+        opts = EngineOptions(max_concurrency=2, device_feed=feed)
+        with Engine.start(default_model_dir(), tp=1, device="cuda", dtype="bfloat16", options=opts) as engine:
+            streams = [engine.submit(p, params) for p in prompts]
+            outs[feed] = [s.result(timeout=300).tokens for s in streams]
+            st = engine.stats()
+            assert st["ranks"][0]["device_feed"] is (feed is None)
+            assert (st["steps_fed"] > 16) if feed is None else st["steps_fed"] == 0, st["steps_fed"]
+    assert outs[None] == outs[False]
+
+
 def test_gpu_rounds_equal_eager_rounds_with_stops_and_concurrency(monkeypatch):
     """Greedy rounds as one GPU program (ranks/spec_cuda.py) and the eager round emit the same ids as
     plain decoding for two requests at once that end on their stop token (inside a round), with a

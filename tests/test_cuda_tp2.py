@@ -74,6 +74,15 @@ def test_tp2_speculation_equals_tp1(tp1, transport):
     assert ids == tp1
 
 
+@pytest.mark.parametrize("tp,transport,on", [(1, "auto", True), (2, "mailbox", False)])
+def test_device_feed_default(tp1, tp, transport, on):
+    """EngineOptions.device_feed unset: on at tp 1 (measured, docs/perf.md), off at tp 2 until
+    measured on two GPUs; tp 1's plain ids either way."""
+    ids, ranks = _generate(tp, transport, device_feed=None)
+    assert [r["device_feed"] for r in ranks.values()] == [on] * tp
+    assert ids == tp1
+
+
 @pytest.mark.parametrize("tp,transport", [(1, "auto"), (2, "mailbox"), (2, "nccl"), (2, "copies")])
 def test_device_fed_steps_equal_tp1(tp1, tp, transport):
     """EngineOptions.device_feed: greedy tokens chosen on the GPUs (the shards' candidates merged by

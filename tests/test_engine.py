@@ -424,10 +424,10 @@ def test_steps_planned_ahead_equal_steps_planned_after_each_result(dense, shared
 
 
 def test_device_fed_steps_equal_the_reference(dense):
-    """EngineOptions.device_feed (off by default until measured on a GPU; on here, on the CPU): a step
-    whose rows need no whole distribution (greedy, temperature with penalties) chooses its tokens as
-    device ops, candidates merged across ranks by an all-reduce, and the next step planned ahead takes
-    them as inputs before they reach the host. The tokens must be the reference's: greedy batches,
+    """EngineOptions.device_feed (on by default only for the cuda backend at tp 1; forced on here, on
+    the CPU): a step whose rows need no whole distribution (greedy, temperature with penalties)
+    chooses its tokens as device ops, candidates merged across ranks by an all-reduce, and the next
+    step planned ahead takes them as inputs before they reach the host. The tokens must be the reference's: greedy batches,
     seeded per-token sampling with penalties, a stop id, and rows that need the whole distribution
     (those steps sample on the host) in the same batches, at tp 1 and 2; and steps must be fed."""
     rng = random.Random(_seed("device-feed"))
@@ -459,6 +459,19 @@ def test_device_fed_steps_equal_the_reference(dense):
             _idle(eng)
         finally:
             eng.shutdown()
+
+
+def test_device_feed_is_off_by_default_on_the_cpu(dense, shared):
+    """EngineOptions.device_feed unset: on only for the cuda backend at tp 1 (the CPU runs nothing
+    ahead, so feeding would only add work): the reference ranks report it off and feed no step."""
+    assert OPTS.device_feed is None
+    for tp in (1, 2):
+        eng = shared(tp)
+        prompt, ids = dense.ref.clear_prompts(random.Random(_seed("feed-default")), [11], 8)[0]
+        assert eng.submit(prompt, greedy(8)).result(timeout=TIMEOUT).tokens == ids
+        s = eng.stats()
+        assert [r["device_feed"] for r in s["ranks"].values()] == [False] * tp
+        assert s["steps_fed"] == 0
 
 
 # --------------------------------------------------------------------------------------------------

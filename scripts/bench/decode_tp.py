@@ -23,7 +23,8 @@ starts a step before the coordinator waits for it), and the coordinator's own wo
 (EngineOptions.overlap_steps; --no-overlap-steps plans each step after the previous one's result).
 --device-feed also runs every configuration with EngineOptions.device_feed (the greedy tokens chosen
 on the GPU feed the next step, launched before they reach the host), as rows "<transport>+feed",
-each held to the tp 1 run of the same setting; the share of fed steps is printed with them.
+each held to the tp 1 run of the same setting; the share of fed steps is printed with them. The
+plain rows run with it off (the engine's default turns it on at tp 1).
 """
 
 from __future__ import annotations
