@@ -46,13 +46,16 @@ MAX_FAST_COLUMNS = 16
 # a long step's leading short sequences (decodes beside prefill chunks) take the split decode kernel;
 # False sends them through the prefill kernel with the chunks (scripts/bench/decode.py --mixed compares)
 MIXED_DECODE_KERNEL = True
-# decode / verification attention on tensor cores (cuda_attention.decode_attention_tc) when the step's
-# key bound reaches TC_DECODE_MIN_LEN, else the CUDA-core split kernel. 27B bf16 at 32k keys on an H200:
-# 1.20x / 1.46x / 1.79x faster steps at C = 1 / 4 / 8 (docs/perf.md). TANDEM_DECODE_ATTENTION=split keeps
-# the split kernel at every length (None: the variable is read at each step plan, so also at graph
-# capture; True / False override it). TANDEM_TC_DECODE_MIN_LEN (read the same way) moves the threshold.
+# decode / verification attention on tensor cores (cuda_attention.decode_attention_tc, which falls back
+# to the CUDA-core split kernel for head dims or shared memory it lacks) when the step's key bound
+# reaches TC_DECODE_MIN_LEN, else the split kernel. On an H200 it wins at every length measured: 27B bf16
+# at 32k keys 1.20x / 1.46x / 1.79x faster steps at C = 1 / 4 / 8, and at 1k keys (the threshold was
+# 4096 until then) 27B nvfp4 / fp8 / bf16 steps 1.03 / 1.04 / 1.03x faster at C = 1, 1.13 / 1.12 / 1.09x
+# at C = 8 (docs/perf.md). TANDEM_DECODE_ATTENTION=split keeps the split kernel at every length (None:
+# the variable is read at each step plan, so also at graph capture; True / False override it).
+# TANDEM_TC_DECODE_MIN_LEN (read the same way) moves the threshold.
 TC_DECODE_ATTENTION: bool | None = None
-TC_DECODE_MIN_LEN = 4096
+TC_DECODE_MIN_LEN = 0
 TC_MIN_LEN_ENV = "TANDEM_TC_DECODE_MIN_LEN"
 
 
