@@ -464,7 +464,9 @@ def test_verification_commit_equals_plain_decoding(name, route, seed, monkeypatc
 
     With every linear on the GEMV kernels (whose columns do not interact) the states are equal bit
     for bit; with the production route table a 4-column verification runs its projections on cuBLAS
-    and single-column decode on the GEMV, so they agree to bf16 rounding."""
+    and single-column decode on the GEMV, so they differ by bf16 rounding: there the committed state
+    must be about as close to the float32 reference's (plain decoding of the same tokens, on the
+    same bf16-rounded weights) as plain decoding's state is."""
     spec = SPECS[name]()
     from kernels import cuda_linear
     from ranks.model_cuda import CudaHybridModel
@@ -473,6 +475,7 @@ def test_verification_commit_equals_plain_decoding(name, route, seed, monkeypatc
         monkeypatch.setattr(cuda_linear, "TC_MAX_COLUMNS", 0)
     w = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in random_weights(spec, seed).items()}
     model = CudaHybridModel(spec, w, cuda_graphs=False)
+    ref = HybridModel(spec, {k: v.float().cpu() for k, v in w.items()}) if route == "production" else None
     g = torch.Generator().manual_seed(seed)
     B, T, start = 3, 4, 9
     tables = page_table(B, 2)
@@ -480,29 +483,36 @@ def test_verification_commit_equals_plain_decoding(name, route, seed, monkeypatc
     cols = torch.randint(0, spec.vocab_size, (B, T), generator=g)
     accepted = [0, 2, 3]
 
-    def prefilled():
-        st = model.new_state(B, B * 2)
+    def prefilled(m=model):
+        st = m.new_state(B, B * 2)
         for b in range(B):
-            model.forward(Batch(prompt[b], [start], [0], [b], tables[b:b + 1]), st)
+            m.forward(Batch(prompt[b], [start], [0], [b], tables[b:b + 1]), st)
         return st
     s1 = prefilled()
     out = model.forward(Batch(cols.reshape(-1), [T] * B, [start] * B, list(range(B)), tables), s1,
                         logits="all", keep_columns=True)
     model.commit(out.kept, s1, accepted)
-    s2 = prefilled()
-    for t in range(T):
-        live = [b for b in range(B) if t <= accepted[b]]
-        model.forward(Batch(cols[live, t], [1] * len(live), [start + t] * len(live), live, tables[live]), s2)
+    def decoded(m):
+        st = prefilled(m)
+        for t in range(T):
+            live = [b for b in range(B) if t <= accepted[b]]
+            m.forward(Batch(cols[live, t], [1] * len(live), [start + t] * len(live), live, tables[live]), st)
+        return st
+    s2 = decoded(model)
+    s3 = decoded(ref) if ref is not None else None
     for j in range(len(spec.linear_attention_layers)):
         if route == "gemv":
             assert rel(s1.recurrent[j], s2.recurrent[j]) < 1e-6
             assert torch.equal(s1.conv[j], s2.conv[j])
         else:
             # bf16 rounding drift between cuBLAS (verification) and the GEMV (decode) through the
-            # layers; the exact-route case above is the check of the state logic. 2e-2 was exceeded
-            # once (0.0215, small, GPU run of 769d434), so the bound is 3e-2.
-            assert rel(s1.recurrent[j], s2.recurrent[j]) < 3e-2
-            assert rel(s1.conv[j].float(), s2.conv[j].float()) < 3e-2
+            # layers (s1 against s2 reached 0.0318 on small, GPU run of b21caaf); the exact-route case
+            # above is the check of the state logic, this one that the committed state is as accurate
+            # as the decoded one (a wrong column's state would be O(1) away)
+            for got, dec, want in ((s1.recurrent[j], s2.recurrent[j], s3.recurrent[j]),
+                                   (s1.conv[j], s2.conv[j], s3.conv[j])):
+                e1, e2 = rel(got.float().cpu(), want), rel(dec.float().cpu(), want)
+                assert e1 <= 2 * e2 + 1e-2, f"GDN layer {j}: committed {e1:.3g} vs decoded {e2:.3g} from float32"
 
 
 def test_generate_cli_runs_the_demo_model_on_cuda():
