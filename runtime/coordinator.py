@@ -56,7 +56,12 @@ class Coordinator:
         if max_context > self.spec.max_position_embeddings:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings "
                              f"{self.spec.max_position_embeddings}")
-        kv_tokens = options.kv_capacity or options.max_concurrency * max_context
+        # default: room for max_concurrency sequences of max_context tokens each, in whole pages, with
+        # speculation's slack (Scheduler.pages_for); max_concurrency x max_context tokens rounded up to
+        # pages fell a page short whenever max_context is not a multiple of PAGE_SIZE, so that the last
+        # sequence waited for the others to finish
+        per_seq = -(-(max_context + 2 * options.spec_draft_tokens) // PAGE_SIZE)
+        kv_tokens = options.kv_capacity or options.max_concurrency * per_seq * PAGE_SIZE
         chunk, step = step_sizes(device, options.max_concurrency, options.prefill_chunk, options.max_step_tokens)
         self.config = SchedulerConfig(
             max_concurrency=options.max_concurrency, max_pending=options.max_pending,

@@ -58,7 +58,8 @@ class EngineOptions:
     prefill_chunk: int | None = None     # prefill columns per sequence per step; None: by device (step_sizes)
     max_step_tokens: int | None = None   # columns per step, all sequences; None: by device (step_sizes)
     max_context: int | None = None       # default: min(model's max_position_embeddings, 8192)
-    kv_capacity: int | None = None       # tokens of KV in the pool; default max_concurrency x max_context
+    kv_capacity: int | None = None       # tokens of KV in the pool; default: max_concurrency sequences of
+                                         # max_context tokens (whole pages, plus speculation's 2K slack each)
     startup_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 10.0
     mailbox_timeout_s: float = 60.0

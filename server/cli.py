@@ -156,7 +156,8 @@ def add_serve_parser(sub) -> None:
                    help=f"columns per step, all sequences together (default on cuda: the prefill chunk + "
                         f"max-concurrency; on cpu {CPU_MAX_STEP_TOKENS}; never below max-concurrency)")
     s.add_argument("--kv-capacity", type=_positive_int, default=None,
-                   help="tokens of KV in the pool (default max-concurrency x max-context)")
+                   help="tokens of KV in the pool (default: room for max-concurrency sequences of max-context tokens, "
+                        "in whole pages of 64, plus speculation's slack)")
     s.add_argument("--threads-per-rank", type=_positive_int, default=None,
                    help="torch threads per rank process (default 1)")
     s.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",

@@ -463,6 +463,30 @@ def test_device_fed_steps_equal_the_reference(dense):
             eng.shutdown()
 
 
+def test_the_default_kv_pool_holds_max_concurrency_sequences_of_max_context(dense):
+    """kv_capacity unset: max_concurrency sequences of max_context tokens all run at once, also when
+    max_context is not a multiple of the page size (the pool was max_concurrency x max_context tokens
+    rounded up to pages, a page short, so the last sequence waited for the others to finish). Every
+    sequence's first token comes before any sequence's last, and the steps are those of one batch."""
+    C, prompt_len, new = 4, 70, 30
+    rng = random.Random(_seed("kv-pool"))
+    opts = dataclasses.replace(OPTS, max_concurrency=C, max_context=prompt_len + new + 3)   # 4 x 103 tokens: 7 pages, one short
+    eng = Engine.start(dense.dir, tp=1, options=opts)
+    try:
+        assert eng.stats()["pages_total"] * PAGE_SIZE >= C * (prompt_len + new)
+        steps0 = eng.stats()["step_time"]["steps"]
+        streams = [eng.submit([rng.randrange(dense.cfg["vocab_size"]) for _ in range(prompt_len)], greedy(new))
+                   for _ in range(C)]
+        done = [st.result(timeout=TIMEOUT) for st in streams]
+        assert all(len(d.tokens) == new for d in done)
+        first = max(d.timings["ttft_s"] for d in done)
+        assert first < min(d.timings["total_s"] for d in done), [d.timings for d in done]
+        steps = eng.stats()["step_time"]["steps"] - steps0
+        assert steps <= new + C, f"{steps} steps for {C} sequences of {new} tokens"
+    finally:
+        eng.shutdown()
+
+
 def test_device_feed_is_off_by_default_on_the_cpu(dense, shared):
     """EngineOptions.device_feed unset: on only for the cuda backend at tp 1 (the CPU runs nothing
     ahead, so feeding would only add work): the reference ranks report it off and feed no step."""

@@ -77,6 +77,11 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
             wall = time.perf_counter() - t0
             first = max(r["ttft_s"] for r in results)
             last = max(r["total_s"] for r in results)
+            if first >= min(r["total_s"] for r in results):
+                # a sequence that waited for another to finish: the steps timed were not C wide (before
+                # the KV pool's default was sized in whole pages per sequence, C = 8 rows here timed one
+                # lone sequence's steps)
+                raise RuntimeError(f"C={C}: the {C} sequences did not all decode at once (KV pool or slots)")
             st1 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"], fed=engine.stats()["steps_fed"])
             n = max(st1["steps"] - st0["steps"], 1)
             host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s", "ahead", "fed")}
