@@ -25,7 +25,10 @@
 #                                        steps planned ahead and without, and where each step's host time goes
 #   scripts/gpu-session.sh feed OUT      two GPUs, ~5 min: device-fed steps (EngineOptions.device_feed): their GPU
 #                                        tests (bit-identical logits and no host sync; tp 1 / tp 2 ids), then
-#                                        the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) fed and not
+#                                        the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) fed and not: the
+#                                        measurement that decides the feed's default at tp 2 (on at tp 1), and
+#                                        the first real tp 2 / tp 1 ratio at C = 8 (earlier C = 8 engine rows
+#                                        timed one lone sequence, docs/perf.md, eleventh session)
 #
 # Each part writes JSON files under OUT and prints a short table last. Timeouts keep every part
 # inside its budget; a part that runs out reports what it finished.
