@@ -108,3 +108,15 @@ def test_step_bytes_of_a_tp_shard_halve_what_is_split():
         assert 2 * half["kv_token"] == one["kv_token"] and 2 * half["gdn_seq"] == one["gdn_seq"]
         assert 2 * half["experts"] == one["experts"]
         assert one["fixed"] / 2 <= half["fixed"] < one["fixed"]          # replicated norms, router, ...
+
+
+def test_decode_window_refuses_requests_that_did_not_decode_together():
+    """The engine benchmarks time C requests between the latest first token and the latest finish;
+    a request that finished before another's first token (a pool too small for C) must not pass."""
+    import pytest
+    from decode import decode_window
+    together = [dict(ttft_s=0.05, total_s=0.50), dict(ttft_s=0.08, total_s=0.52), dict(ttft_s=0.07, total_s=0.51)]
+    assert decode_window(together, 3) == (0.08, 0.52)
+    one_after = together[:2] + [dict(ttft_s=0.53, total_s=0.90)]
+    with pytest.raises(RuntimeError, match="did not all decode at once"):
+        decode_window(one_after, 3)

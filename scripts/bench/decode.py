@@ -44,6 +44,18 @@ from ranks.random_checkpoint import random_shard, spec_for  # noqa: E402
 from runtime.config import PAGE_SIZE  # noqa: E402
 
 
+def decode_window(timings: list[dict], C: int) -> tuple[float, float]:
+    """(latest first token, latest finish) of C requests run together (their final events' timings,
+    seconds from each submission): the window in which every one of them decodes, which the engine
+    benchmarks divide by the steps in it. Raises when some request finished before another had its
+    first token: the steps timed were not C wide (a KV pool or slots too small; docs/perf.md, eleventh
+    session: such rows once timed one lone sequence)."""
+    first = max(t["ttft_s"] for t in timings)
+    if first >= min(t["total_s"] for t in timings):
+        raise RuntimeError(f"C={C}: the {C} requests did not all decode at once (KV pool or slots)")
+    return first, max(t["total_s"] for t in timings)
+
+
 def measure_bandwidth(gib: float = 4.0) -> dict:
     """HBM read bandwidth (kernels/cuda/bench.cu read_probe: 16-byte loads over a large buffer),
     and torch's copy bandwidth (read + write) for comparison, in bytes/s. The floor uses the read rate."""

@@ -31,7 +31,9 @@ import numpy as np
 
 repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, repo_root)
+sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
 
+from decode import decode_window  # noqa: E402
 from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n", "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -71,8 +73,7 @@ def run(model_dir: str, prompts: list[list[int]], tp: int, device: str, dtype: s
         batch()                                         # warm-up: kernels, graphs
         gaps.clear()
         finals = batch()
-    first = max(f.timings["ttft_s"] for f in finals)
-    last = max(f.timings["total_s"] for f in finals)
+    first, last = decode_window([f.timings for f in finals], C)
     rounds = max((f.spec or {}).get("rounds", 0) or (new_tokens - 1) for f in finals)
     per_round = (sum((f.spec or {}).get("tokens_per_round") or 1.0 for f in finals) / C)
     decode_tokens = C * (new_tokens - 1)
