@@ -31,7 +31,9 @@ import time
 
 repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, repo_root)
+sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))
 
+from decode import decode_window  # noqa: E402
 from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 
@@ -101,6 +103,7 @@ def measure(engine: Engine, concurrency: int, args, rng: random.Random, vocab: i
     dec = run_batch(engine, [prompt(args.decode_prompt_len) for _ in range(concurrency)], args.new_tokens)
     steps2 = engine.stats()["steps"]
     recs = dec["records"]
+    decode_window([dict(ttft_s=r["first"] - dec["t0"], total_s=r["end"] - dec["t0"]) for r in recs], concurrency)
     # the short prompts prefill together in the first step(s); decode is everything after the first token
     start = min(r["first"] for r in recs)
     end = max(r["end"] for r in recs)
