@@ -20,7 +20,11 @@ I % 16 == 0, nvfp4: I % 64 == 0), small layers included, and bf16 layers of 3-8 
 instead of to cuBLAS; "auto" (the default) uses the quantised ones where they were measured faster
 (pipe_wins) and keeps bf16 on the CUDA-core kernels (gemv_bf16_pipe is new and not yet measured);
 "bf16pipe" is "auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
-at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md).
+at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md); "pipe8" is "auto"
+with pipe_wins' layer rule applied up to 8 columns (an experiment, for the C = 8 step: docs/perf.md,
+eleventh session). TANDEM_GEMV_PIPE_CARVEOUT (0-100, unset: the driver's choice) sets the pipelined
+kernels' preferred shared-memory carveout, the share of each SM's L1 / shared memory given to shared
+memory (also an experiment: less shared memory, fewer resident blocks, more L1 for x at 8 columns).
 scripts/bench/linear.py --variants times tc against pipelined.
 
 The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
@@ -58,7 +62,7 @@ TC_MAX_COLUMNS = 32
 _TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 VARIANT_ENV = "TANDEM_GEMV_VARIANT"
-VARIANTS = ("auto", "tc", "pipelined", "bf16pipe")
+VARIANTS = ("auto", "tc", "pipelined", "bf16pipe", "pipe8")
 # The I-split (ks) rule (TANDEM_GEMV_KS, read at every launch plan, so at graph capture too; for
 # benchmarks): "blocks" (the default) is _pick_ks's everywhere; "tc8" gives single-column launches of
 # the tensor-core kernels (gemv_*_tc: the 27B's gate|up, 2 blocks per SM) the widest split their rows
@@ -102,6 +106,24 @@ def pipe_applies(kind: str, I: int, T: int) -> bool:
     return I % {"bf16": 8, "nvfp4": 64}.get(kind, 16) == 0
 
 
+CARVEOUT_ENV = "TANDEM_GEMV_PIPE_CARVEOUT"
+
+
+def pipe_carveout() -> int | None:
+    """The pipelined kernels' preferred shared-memory carveout from $TANDEM_GEMV_PIPE_CARVEOUT (percent,
+    0-100; None when unset or empty: the driver's choice)."""
+    v = os.environ.get(CARVEOUT_ENV)
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 100:
+        raise L.KernelError(f"{CARVEOUT_ENV}={v!r}: expected a percentage 0-100")
+    return n
+
+
 def pipe_wins(O: int, T: int, tc: dict) -> bool:
     """The "auto" rule, from scripts/bench/linear.py --variants on an H200 (27B shapes, docs/perf.md):
     the pipelined kernel was 1.1-1.4x faster for T <= 4 on every layer where the tensor-core kernel
@@ -133,7 +155,8 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
 
     variant: "auto", "tc", "pipelined" or "bf16pipe" (None: $TANDEM_GEMV_VARIANT); with "pipelined",
     quantised launches of <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where
-    pipe_wins() too; "bf16pipe" as "auto", and bf16 launches of 3-8 columns to gemv_bf16_pipe.
+    pipe_wins() too; "bf16pipe" as "auto", and bf16 launches of 3-8 columns to gemv_bf16_pipe;
+    "pipe8" as "auto", with pipe_wins' layer rule up to 8 columns.
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
@@ -149,9 +172,10 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
     if variant == "bf16pipe" and kind == "bf16" and T > GEMV_COLUMNS["bf16"] and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
-    if variant in ("auto", "bf16pipe") and kind != "bf16" and pipe_applies(kind, I, T):
+    if variant in ("auto", "bf16pipe", "pipe8") and kind != "bf16" and pipe_applies(kind, I, T):
         tc = route(O, I, T, kind, sm_count, swiglu, variant="tc")
-        return _route_pipe(O, I, T, kind, sm_count, swiglu) if pipe_wins(O, T, tc) else tc
+        wins = pipe_wins(O, min(T, 4) if variant == "pipe8" else T, tc)
+        return _route_pipe(O, I, T, kind, sm_count, swiglu) if wins else tc
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
     if ekind in _TC_KINDS and T <= TC_MAX_COLUMNS:
         r = _route_tc(O, I, T, ekind, sm_count, swiglu)
@@ -328,7 +352,10 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
         b = min(T, a + step)
         r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant)
         ys = [e[a:b] for e in extra] + [None] * (3 - len(extra))
-        L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
+        fn = L.kernel("gemv", r["kernel"], d)
+        if r["kernel"].endswith("_pipe"):
+            L.set_carveout(fn, pipe_carveout(), d)
+        L.launch(fn, r["grid"], r["block"],
                  (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
                   O, I, b - a, r["ks"], mode, Fh, sb, *ys, *bounds),
                  device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)

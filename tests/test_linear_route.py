@@ -146,6 +146,36 @@ def test_auto_takes_the_pipelined_kernel_where_it_was_measured_faster():
     assert not kernel(5120, 5120 + 32, 1, "nvfp4").endswith("_pipe")
 
 
+def test_pipe8_takes_the_auto_layers_up_to_8_columns():
+    """pipe8 (an experiment for C = 8): auto's layer rule applied up to 8 columns: the pipelined
+    kernel at T = 5..8 exactly where auto takes it at T = 4, the tensor-core kernel elsewhere."""
+    shapes = [(12288, 5120, False), (5120, 6144, False), (10240, 5120, False), (6144, 5120, False),
+              (5120, 17408, False), (34816, 5120, True), (1024, 5120, False), (5120, 5120 + 32, False)]
+    for kind in ("fp8_row", "fp8_block", "nvfp4"):
+        for O, I, swiglu in shapes:
+            at4 = cl.route(O, I, 4, kind, SM, swiglu=swiglu, variant="auto")["kernel"].endswith("_pipe")
+            for T in (5, 8):
+                r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="pipe8")
+                assert r["kernel"].endswith("_pipe") == at4, (O, I, T, kind, r["kernel"])
+                assert r["T"] == T
+            assert cl.route(O, I, 2, kind, SM, swiglu=swiglu, variant="pipe8") == \
+                cl.route(O, I, 2, kind, SM, swiglu=swiglu, variant="auto")
+
+
+def test_pipe_carveout_from_the_environment(monkeypatch):
+    monkeypatch.delenv(cl.CARVEOUT_ENV, raising=False)
+    assert cl.pipe_carveout() is None
+    monkeypatch.setenv(cl.CARVEOUT_ENV, "")
+    assert cl.pipe_carveout() is None
+    for v in ("0", "50", "100"):
+        monkeypatch.setenv(cl.CARVEOUT_ENV, v)
+        assert cl.pipe_carveout() == int(v)
+    for v in ("-1", "101", "half"):
+        monkeypatch.setenv(cl.CARVEOUT_ENV, v)
+        with pytest.raises(KernelError, match=cl.CARVEOUT_ENV):
+            cl.pipe_carveout()
+
+
 def test_ks_rules_from_the_environment(monkeypatch):
     """TANDEM_GEMV_KS (benchmarks): "blocks" (default) is the block-count rule; "tc8" widens only the
     single-column tensor-core launches (27B gate|up: ks 2 -> 8), "wide" also the nvfp4 pipelined
