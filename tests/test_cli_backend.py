@@ -80,6 +80,15 @@ def test_step_sizes_follow_the_device(flags, want):
                       getattr(a, "max_step_tokens", None)) == want
 
 
+@pytest.mark.parametrize("flags,want", [([], None), (["--device-feed"], True), (["--no-device-feed"], False)])
+def test_serve_device_feed_flags(flags, want):
+    """serve --device-feed / --no-device-feed reach EngineOptions as True / False; neither leaves None,
+    which the ranks read as "on for the cuda backend at tp 1" (EngineOptions.device_feed)."""
+    from server.cli import build_parser
+    assert build_parser().parse_args(["serve", *flags]).device_feed is want
+    assert EngineOptions().device_feed is None
+
+
 def test_engine_options_leave_step_sizes_to_the_device():
     assert EngineOptions().prefill_chunk is None and EngineOptions().max_step_tokens is None
 
