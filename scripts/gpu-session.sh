@@ -16,7 +16,8 @@
 #   scripts/gpu-session.sh t8 OUT        one GPU, ~5 min: the C = 8 step's GEMV question (docs/perf.md, eleventh
 #                                        session): the pipelined kernels at 5-8 columns (GEMV variant pipe8)
 #                                        with shared-memory carveouts that leave L1 to x, against the default,
-#                                        27B nvfp4 / fp8 at C = 1 and 8; the carveout's GPU test first
+#                                        27B nvfp4 / fp8 at C = 1 and 8, and bf16 at C = 8 (gemv_bf16_pipe
+#                                        against cuBLAS); the carveout's GPU test first
 #   scripts/gpu-session.sh probe OUT     two GPUs, ~5 min: what the eighth session's analysis asks for first: the
 #                                        quantised GEMV at every I-split (ks) on the 27B's main layers, and the
 #                                        lean16 exchange with first-poll delays around half a PCIe round trip
@@ -115,8 +116,14 @@ case "$PART" in
         --variant pipe8c25:TANDEM_GEMV_VARIANT=pipe8,TANDEM_GEMV_PIPE_CARVEOUT=25 \
         --variant autoc50:TANDEM_GEMV_PIPE_CARVEOUT=50 \
         --out "$OUT/t8-decode.json" > "$OUT/t8-decode.txt" 2>&1
+    # bf16 weights: gemv_bf16_pipe at 3-8 columns lost to cuBLAS by 14% (eleventh session); the same question
+    timeout 120 python $B/decode.py --model 27b --weights bf16 --concurrency 8 --steps 10 \
+        --variant bf16pipe:TANDEM_GEMV_VARIANT=bf16pipe \
+        --variant bf16pipec50:TANDEM_GEMV_VARIANT=bf16pipe,TANDEM_GEMV_PIPE_CARVEOUT=50 \
+        --out "$OUT/t8-decode-bf16.json" > "$OUT/t8-decode-bf16.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/t8-tests.txt" | cut -c1-200 | tail -6
-    grep -A20 "^weights variant" "$OUT/t8-decode.txt" | cut -c1-120 ;;
+    grep -A20 "^weights variant" "$OUT/t8-decode.txt" | cut -c1-120
+    grep -A4 "^weights variant" "$OUT/t8-decode-bf16.txt" | cut -c1-120 ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1
