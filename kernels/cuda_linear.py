@@ -112,16 +112,7 @@ CARVEOUT_ENV = "TANDEM_GEMV_PIPE_CARVEOUT"
 def pipe_carveout() -> int | None:
     """The pipelined kernels' preferred shared-memory carveout from $TANDEM_GEMV_PIPE_CARVEOUT (percent,
     0-100; None when unset or empty: the driver's choice)."""
-    v = os.environ.get(CARVEOUT_ENV)
-    if not v:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 100:
-        raise L.KernelError(f"{CARVEOUT_ENV}={v!r}: expected a percentage 0-100")
-    return n
+    return L.env_int(CARVEOUT_ENV, 0, 100)
 
 
 def pipe_wins(O: int, T: int, tc: dict) -> bool:
@@ -249,10 +240,8 @@ def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) 
     ks_cap = 1
     while ks_cap < WARPS and ks_cap * 2 <= steps:
         ks_cap *= 2
-    per_sm = os.environ.get(PIPE_BLOCKS_ENV)
-    if per_sm and not (per_sm.isdigit() and 1 <= int(per_sm) <= 8):
-        raise L.KernelError(f"{PIPE_BLOCKS_ENV}={per_sm!r}: expected 1..8")
-    ks = _pick_ks(tiles, ks_cap, sm_count, int(per_sm) if per_sm else PIPE_BLOCKS_PER_SM)
+    per_sm = L.env_int(PIPE_BLOCKS_ENV, 1, 8)
+    ks = _pick_ks(tiles, ks_cap, sm_count, per_sm or PIPE_BLOCKS_PER_SM)
     if kind == "nvfp4" and T == 1 and FORCE_KS is None and ks_rule() == "wide":
         ks = ks_cap
     blocks = -(-tiles // (WARPS // ks))

@@ -366,3 +366,18 @@ def sm_count(device: int | None = None) -> int:
 def env_flag(name: str, default: bool = False) -> bool:
     v = os.environ.get(name)
     return default if v is None else v not in ("", "0", "false", "no")
+
+
+def env_int(name: str, lo: int, hi: int | None = None) -> int | None:
+    """$name as an integer in lo..hi (hi None: no bound); None when unset or empty; KernelError naming
+    the variable otherwise."""
+    v = os.environ.get(name)
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = None
+    if n is None or n < lo or (hi is not None and n > hi):
+        raise KernelError(f"{name}={v!r}: expected an integer {lo}..{'' if hi is None else hi}")
+    return n

@@ -60,16 +60,8 @@ TC_MIN_LEN_ENV = "TANDEM_TC_DECODE_MIN_LEN"
 
 
 def tc_decode_min_len() -> int:
-    v = os.environ.get(TC_MIN_LEN_ENV)
-    if not v:
-        return TC_DECODE_MIN_LEN
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{TC_MIN_LEN_ENV}={v!r}: expected a key count >= 0")
-    return n
+    n = launch.env_int(TC_MIN_LEN_ENV, 0)
+    return TC_DECODE_MIN_LEN if n is None else n
 
 
 def tc_decode_attention() -> bool:
