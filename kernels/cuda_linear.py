@@ -20,11 +20,10 @@ I % 16 == 0, nvfp4: I % 64 == 0), small layers included, and bf16 layers of 3-8 
 instead of to cuBLAS; "auto" (the default) uses the quantised ones where they were measured faster
 (pipe_wins) and keeps bf16 on the CUDA-core kernels (gemv_bf16_pipe is new and not yet measured);
 "bf16pipe" is "auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
-at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md); "pipe8" is "auto"
-with pipe_wins' layer rule applied up to 8 columns (an experiment, for the C = 8 step: docs/perf.md,
-eleventh session). TANDEM_GEMV_PIPE_CARVEOUT (0-100, unset: the driver's choice) sets the pipelined
-kernels' preferred shared-memory carveout, the share of each SM's L1 / shared memory given to shared
-memory (also an experiment: less shared memory, fewer resident blocks, more L1 for x at 8 columns).
+at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md; measured 14% slower
+over the whole step with bf16 weights, eleventh and twelfth sessions); "pipe4" is "auto" with the
+pipelined kernels' layer rule stopped at 4 columns (the default until the twelfth session: 27B fp8 at
+C = 8 7.7% slower than auto, nvfp4 the same, docs/perf.md).
 scripts/bench/linear.py --variants times tc against pipelined.
 
 The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
@@ -62,7 +61,7 @@ TC_MAX_COLUMNS = 32
 _TC_TILES = {1: "", 2: "16", 4: "32"}     # column tiles of 8 -> kernel suffix
 PREFILL_SLAB_ELEMS = 1 << 26          # dequantised rows per cuBLAS call: <= 128 MiB of bf16 scratch
 VARIANT_ENV = "TANDEM_GEMV_VARIANT"
-VARIANTS = ("auto", "tc", "pipelined", "bf16pipe", "pipe8")
+VARIANTS = ("auto", "tc", "pipelined", "bf16pipe", "pipe4")
 # The I-split (ks) rule (TANDEM_GEMV_KS, read at every launch plan, so at graph capture too; for
 # benchmarks): "blocks" (the default) is _pick_ks's everywhere; "tc8" gives single-column launches of
 # the tensor-core kernels (gemv_*_tc: the 27B's gate|up, 2 blocks per SM) the widest split their rows
@@ -106,22 +105,15 @@ def pipe_applies(kind: str, I: int, T: int) -> bool:
     return I % {"bf16": 8, "nvfp4": 64}.get(kind, 16) == 0
 
 
-CARVEOUT_ENV = "TANDEM_GEMV_PIPE_CARVEOUT"
-
-
-def pipe_carveout() -> int | None:
-    """The pipelined kernels' preferred shared-memory carveout from $TANDEM_GEMV_PIPE_CARVEOUT (percent,
-    0-100; None when unset or empty: the driver's choice)."""
-    return L.env_int(CARVEOUT_ENV, 0, 100)
-
-
-def pipe_wins(O: int, T: int, tc: dict) -> bool:
+def pipe_wins(O: int, T: int, tc: dict, max_columns: int = 8) -> bool:
     """The "auto" rule, from scripts/bench/linear.py --variants on an H200 (27B shapes, docs/perf.md):
     the pipelined kernel was 1.1-1.4x faster for T <= 4 on every layer where the tensor-core kernel
     splits I over 4 or more warps (q, o, GDN qkv / z / out, down), and slower on the widest layer
     (gate|up, split over 2: 0.7-0.9x) and on the smallest (k / v, O = 1024: 0.8-0.9x). At T = 8 the
-    gains shrink to within noise, so T = 8 keeps the tensor-core kernel."""
-    return T <= 4 and O >= 4096 and tc.get("kernel", "").startswith("gemv_") and "_tc" in tc["kernel"] \
+    layers timed alone were within noise, but the whole 27B step at C = 8 was 7.7% faster with the
+    rule applied up to 8 columns for fp8 and the same for nvfp4 (decode.py in one process, twelfth
+    session), so it applies up to max_columns = 8 (4: the variant "pipe4", the earlier rule)."""
+    return T <= max_columns and O >= 4096 and tc.get("kernel", "").startswith("gemv_") and "_tc" in tc["kernel"] \
         and tc.get("ks_blocks", tc.get("ks", 0)) >= 4
 
 
@@ -144,10 +136,10 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     dequantise + cuBLAS; between launch_columns() and that, the GEMV runs in launches of
     launch_columns() columns (this plan is then the one of a full launch).
 
-    variant: "auto", "tc", "pipelined" or "bf16pipe" (None: $TANDEM_GEMV_VARIANT); with "pipelined",
-    quantised launches of <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where
-    pipe_wins() too; "bf16pipe" as "auto", and bf16 launches of 3-8 columns to gemv_bf16_pipe;
-    "pipe8" as "auto", with pipe_wins' layer rule up to 8 columns.
+    variant: one of VARIANTS (None: $TANDEM_GEMV_VARIANT); with "pipelined", quantised launches of
+    <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where pipe_wins() too; "bf16pipe" as
+    "auto", and bf16 launches of 3-8 columns to gemv_bf16_pipe; "pipe4" as "auto" with pipe_wins' rule
+    stopped at 4 columns.
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
@@ -163,9 +155,9 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
     if variant == "bf16pipe" and kind == "bf16" and T > GEMV_COLUMNS["bf16"] and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
-    if variant in ("auto", "bf16pipe", "pipe8") and kind != "bf16" and pipe_applies(kind, I, T):
+    if variant in ("auto", "bf16pipe", "pipe4") and kind != "bf16" and pipe_applies(kind, I, T):
         tc = route(O, I, T, kind, sm_count, swiglu, variant="tc")
-        wins = pipe_wins(O, min(T, 4) if variant == "pipe8" else T, tc)
+        wins = pipe_wins(O, T, tc, max_columns=4 if variant == "pipe4" else 8)
         return _route_pipe(O, I, T, kind, sm_count, swiglu) if wins else tc
     ekind = "nvfp4h" if (kind == "nvfp4" and I % 32) else kind
     if ekind in _TC_KINDS and T <= TC_MAX_COLUMNS:
@@ -341,10 +333,7 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
         b = min(T, a + step)
         r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant)
         ys = [e[a:b] for e in extra] + [None] * (3 - len(extra))
-        fn = L.kernel("gemv", r["kernel"], d)
-        if r["kernel"].endswith("_pipe"):
-            L.set_carveout(fn, pipe_carveout(), d)
-        L.launch(fn, r["grid"], r["block"],
+        L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
                  (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
                   O, I, b - a, r["ks"], mode, Fh, sb, *ys, *bounds),
                  device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)

@@ -263,30 +263,6 @@ def _driver():
     return lib, fn, pdl_attributes()
 
 
-ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT = 9          # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-_CARVEOUT: dict[int, int] = {}                      # function handle -> the carveout set on it
-
-
-def set_carveout(fn, percent: int | None, device: int) -> None:
-    """The preferred shared-memory carveout of kernel `fn` (the share of each SM's unified L1 / shared
-    memory the driver gives shared memory, 0-100; None: the driver's choice), set only when it changes.
-    A hint the driver may round; it applies to launches (and graph captures) after it."""
-    func = fn.kernel if hasattr(fn, "kernel") else fn
-    value = -1 if percent is None else int(percent)
-    if _CARVEOUT.get(func.ptr, -1) == value:
-        return
-    import cupy
-    lib = _driver()[0]
-    with cupy.cuda.Device(device):
-        rc = lib.cuFuncSetAttribute(ctypes.c_void_p(func.ptr), ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                    ctypes.c_int(value))
-    if rc != 0:
-        msg = ctypes.c_char_p()
-        lib.cuGetErrorString(rc, ctypes.byref(msg))
-        raise KernelError(f"cuFuncSetAttribute(carveout {value}) failed: {rc} {(msg.value or b'').decode()}")
-    _CARVEOUT[func.ptr] = value
-
-
 def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, args) -> None:
     lib, launch_ex, attrs = _driver()
     params, _vals = kernel_params(args)

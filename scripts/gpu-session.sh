@@ -13,11 +13,9 @@
 #                                        8k prefill chunk's profile, the GDN rule's two forms per column count
 #   scripts/gpu-session.sh context OUT   one GPU: 27B bf16 decode at 4k, 8k, 16k and 32k context, the decode
 #                                        attention on tensor cores (default) and on the split kernel
-#   scripts/gpu-session.sh t8 OUT        one GPU, ~5 min: the C = 8 step's GEMV question (docs/perf.md, eleventh
-#                                        session): the pipelined kernels at 5-8 columns (GEMV variant pipe8)
-#                                        with shared-memory carveouts that leave L1 to x, against the default,
-#                                        27B nvfp4 / fp8 at C = 1 and 8, and bf16 at C = 8 (gemv_bf16_pipe
-#                                        against cuBLAS); the carveout's GPU test first
+#   scripts/gpu-session.sh t8 OUT        one GPU, ~5 min: the pipelined GEMV kernels' tests, then the 27B
+#                                        fp8 / fp8-block / nvfp4 at C = 1, 4, 8 with auto's rule up to 8 columns
+#                                        (the default) against the earlier 4 (GEMV variant pipe4)
 #   scripts/gpu-session.sh probe OUT     two GPUs, ~5 min: what the eighth session's analysis asks for first: the
 #                                        quantised GEMV at every I-split (ks) on the 27B's main layers, and the
 #                                        lean16 exchange with first-poll delays around half a PCIe round trip
@@ -108,22 +106,13 @@ case "$PART" in
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/feed-tests.txt" | cut -c1-200 | tail -12
     echo "== engine-feed"; grep -E "tp [12] " "$OUT/engine-feed.txt" | cut -c1-280 ;;
   t8)
-    timeout 120 scripts/gpu-tests.sh "$OUT/t8-tests" tests/test_cuda_linear.py -m "gpu and not slow" -k carveout \
+    # auto's pipelined-kernel rule up to 8 columns (twelfth session) against the earlier 4 (pipe4)
+    timeout 150 scripts/gpu-tests.sh "$OUT/t8-tests" tests/test_cuda_linear.py -m "gpu and not slow" -k "pipe" \
         --tb=short > "$OUT/t8-tests.txt" 2>&1
-    timeout 330 python $B/decode.py --model 27b --weights nvfp4 fp8 --concurrency 1 8 --steps 10 \
-        --variant pipe8:TANDEM_GEMV_VARIANT=pipe8 \
-        --variant pipe8c50:TANDEM_GEMV_VARIANT=pipe8,TANDEM_GEMV_PIPE_CARVEOUT=50 \
-        --variant pipe8c25:TANDEM_GEMV_VARIANT=pipe8,TANDEM_GEMV_PIPE_CARVEOUT=25 \
-        --variant autoc50:TANDEM_GEMV_PIPE_CARVEOUT=50 \
-        --out "$OUT/t8-decode.json" > "$OUT/t8-decode.txt" 2>&1
-    # bf16 weights: gemv_bf16_pipe at 3-8 columns lost to cuBLAS by 14% (eleventh session); the same question
-    timeout 120 python $B/decode.py --model 27b --weights bf16 --concurrency 8 --steps 10 \
-        --variant bf16pipe:TANDEM_GEMV_VARIANT=bf16pipe \
-        --variant bf16pipec50:TANDEM_GEMV_VARIANT=bf16pipe,TANDEM_GEMV_PIPE_CARVEOUT=50 \
-        --out "$OUT/t8-decode-bf16.json" > "$OUT/t8-decode-bf16.txt" 2>&1
+    timeout 300 python $B/decode.py --model 27b --weights fp8 fp8-block nvfp4 --concurrency 1 4 8 --steps 10 \
+        --variant pipe4:TANDEM_GEMV_VARIANT=pipe4 --out "$OUT/t8-decode.json" > "$OUT/t8-decode.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/t8-tests.txt" | cut -c1-200 | tail -6
-    grep -A20 "^weights variant" "$OUT/t8-decode.txt" | cut -c1-120
-    grep -A4 "^weights variant" "$OUT/t8-decode-bf16.txt" | cut -c1-120 ;;
+    grep -A20 "^weights variant" "$OUT/t8-decode.txt" | cut -c1-120 ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1

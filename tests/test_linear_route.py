@@ -129,51 +129,40 @@ def test_variant_from_the_environment(monkeypatch):
 
 
 def test_auto_takes_the_pipelined_kernel_where_it_was_measured_faster():
-    """auto = pipelined for T <= 4 on the layers the tensor-core kernel splits over >= 4 warps (27B q,
-    o, GDN qkv/z, down), the tensor-core kernel on gate|up (split over 2), k/v (O = 1024) and T = 8."""
+    """auto = pipelined for T <= 8 on the layers the tensor-core kernel splits over >= 4 warps (27B q,
+    o, GDN qkv/z, down), the tensor-core kernel on gate|up (split over 2), k/v (O = 1024) and beyond
+    8 columns (the pipelined kernels' limit)."""
     def kernel(O, I, T, kind, swiglu=False):
         return cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="auto")["kernel"]
     for kind, tag in (("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")):
         for O, I in ((12288, 5120), (5120, 6144), (10240, 5120), (6144, 5120), (5120, 17408)):
-            for T in (1, 2, 4):
+            for T in (1, 2, 4, 5, 8):
                 assert kernel(O, I, T, kind) == f"gemv_{tag}_pipe", (O, I, T, kind)
-            assert kernel(O, I, 8, kind) == f"gemv_{tag}_tc"
+            for T in (9, 16):
+                assert kernel(O, I, T, kind).startswith(f"gemv_{tag}_tc"), (O, I, T, kind)
         assert kernel(34816, 5120, 1, kind, swiglu=True) == f"gemv_{tag}_tc"
         assert not kernel(1024, 5120, 1, kind).endswith("_pipe")
         assert not kernel(1024, 5120, 4, kind).endswith("_pipe")
+        assert not kernel(34816, 5120, 8, kind, swiglu=True).endswith("_pipe")
     assert kernel(5120, 5120, 1, "bf16") == cl.route(5120, 5120, 1, "bf16", SM, variant="tc")["kernel"]
     # nvfp4 rows must be 64-element multiples for the pipelined kernel: others keep the old kernels
     assert not kernel(5120, 5120 + 32, 1, "nvfp4").endswith("_pipe")
 
 
-def test_pipe8_takes_the_auto_layers_up_to_8_columns():
-    """pipe8 (an experiment for C = 8): auto's layer rule applied up to 8 columns: the pipelined
-    kernel at T = 5..8 exactly where auto takes it at T = 4, the tensor-core kernel elsewhere."""
+def test_pipe4_stops_the_auto_rule_at_4_columns():
+    """pipe4 (auto until the twelfth session): the same layers as auto up to 4 columns, the
+    tensor-core kernel at 5..8 columns where auto takes the pipelined one."""
     shapes = [(12288, 5120, False), (5120, 6144, False), (10240, 5120, False), (6144, 5120, False),
               (5120, 17408, False), (34816, 5120, True), (1024, 5120, False), (5120, 5120 + 32, False)]
     for kind in ("fp8_row", "fp8_block", "nvfp4"):
         for O, I, swiglu in shapes:
-            at4 = cl.route(O, I, 4, kind, SM, swiglu=swiglu, variant="auto")["kernel"].endswith("_pipe")
+            for T in (1, 2, 4):
+                assert cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="pipe4") == \
+                    cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="auto")
             for T in (5, 8):
-                r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="pipe8")
-                assert r["kernel"].endswith("_pipe") == at4, (O, I, T, kind, r["kernel"])
+                r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="pipe4")
+                assert r == cl.route(O, I, T, kind, SM, swiglu=swiglu, variant="tc"), (O, I, T, kind)
                 assert r["T"] == T
-            assert cl.route(O, I, 2, kind, SM, swiglu=swiglu, variant="pipe8") == \
-                cl.route(O, I, 2, kind, SM, swiglu=swiglu, variant="auto")
-
-
-def test_pipe_carveout_from_the_environment(monkeypatch):
-    monkeypatch.delenv(cl.CARVEOUT_ENV, raising=False)
-    assert cl.pipe_carveout() is None
-    monkeypatch.setenv(cl.CARVEOUT_ENV, "")
-    assert cl.pipe_carveout() is None
-    for v in ("0", "50", "100"):
-        monkeypatch.setenv(cl.CARVEOUT_ENV, v)
-        assert cl.pipe_carveout() == int(v)
-    for v in ("-1", "101", "half"):
-        monkeypatch.setenv(cl.CARVEOUT_ENV, v)
-        with pytest.raises(KernelError, match=cl.CARVEOUT_ENV):
-            cl.pipe_carveout()
 
 
 def test_ks_rules_from_the_environment(monkeypatch):
