@@ -120,3 +120,10 @@ def test_decode_window_refuses_requests_that_did_not_decode_together():
     one_after = together[:2] + [dict(ttft_s=0.53, total_s=0.90)]
     with pytest.raises(RuntimeError, match="did not all decode at once"):
         decode_window(one_after, 3)
+    # times relative to each submission are moved onto one clock by the submission's offset
+    shifted = [dict(ttft_s=0.05, total_s=0.50, submitted_s=0.04), dict(ttft_s=0.08, total_s=0.52, submitted_s=0.0)]
+    first, last = decode_window(shifted, 2)
+    assert abs(first - 0.09) < 1e-12 and abs(last - 0.54) < 1e-12
+    late = [dict(ttft_s=0.05, total_s=0.50, submitted_s=0.0), dict(ttft_s=0.05, total_s=0.50, submitted_s=0.46)]
+    with pytest.raises(RuntimeError, match="did not all decode at once"):
+        decode_window(late, 2)

@@ -183,3 +183,19 @@ def test_pdl_scope(monkeypatch, value, gemv, norm, exchange):
     finally:
         monkeypatch.undo()
         L.pdl_reset()
+
+
+def test_moe_decode_variant_from_the_environment(monkeypatch):
+    """TANDEM_MOE_DECODE (comparisons): routed by default and when empty, split and u8 on request, any
+    other value an error that names the variable."""
+    import pytest
+    from kernels import cuda_misc as cm
+    from kernels.launch import KernelError
+    monkeypatch.delenv(cm.MOE_DECODE_ENV, raising=False)
+    assert cm.moe_decode_variant() == "routed"
+    for v, want in (("", "routed"), ("split", "split"), ("u8", "u8"), ("routed", "routed")):
+        monkeypatch.setenv(cm.MOE_DECODE_ENV, v)
+        assert cm.moe_decode_variant() == want
+    monkeypatch.setenv(cm.MOE_DECODE_ENV, "fused")
+    with pytest.raises(KernelError, match=cm.MOE_DECODE_ENV):
+        cm.moe_decode_variant()

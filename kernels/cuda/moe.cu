@@ -5,8 +5,14 @@
 //                      k rounds of a warp argmax with ties to the lower expert id, renormalised to sum 1.
 // moe_gate_up_swiglu:  h[n, a, :] = bf16(bf16(silu(bf16(gate_e x_n))) * bf16(up_e x_n)), e = ids[n, a]:
 //                      one warp per output row j (the gate row j and the up row j of expert e).
+// moe_gate_up_swiglu_routed: the same from router logits: warp 0 of every block routes its token
+//                      (moe_topk_warp, the code of moe_route_topk, so the same ids and weights bit for
+//                      bit) while the other warps stage x; blocks (0, 0, n) also write token n's
+//                      weights and ids for moe_down_combine. One launch fewer per MoE layer.
 // moe_down_combine:    out[n, r] = bf16(sum_a w[n, a] * (down_e[r, :] . h[n, a, :])) in fp32:
-//                      one warp per output row r, every active slot's row in flight at once.
+//                      one warp per output row r, its first DOWN_UNROLL loads per lane issued before
+//                      h is staged (they need only the ids), up to 32 * DOWN_UNROLL chunks in flight
+//                      (moe_down_combine_u8: 8, the kernel before the twelfth session, for comparisons).
 //
 // Only the selected experts' weights are read; expert ids come from device memory and are clamped
 // to [0, X) so that a bad id can never read out of bounds.
@@ -14,7 +20,7 @@
 
 #define ROUTE_MAXJ 16        // router logits per lane: X <= 32 * ROUTE_MAXJ = 512
 #define GU_UNROLL 8          // 16-byte loads per lane per row in flight (gate + up: twice that)
-#define DOWN_UNROLL 8        // 16-byte loads per lane in flight in the down projection
+#define DOWN_UNROLL 24       // 16-byte loads per lane in flight in the down projection (9 slots of 512: 18)
 
 __device__ __forceinline__ float moe_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -23,22 +29,15 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
-// grid (ceil(N / warps per block)), block: a multiple of 32. logits [N, X] (bf16, or fp32 when
-// logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
-// shared: the last logit column is the shared expert's gate, not a router logit: the top K come from
-// the first X - 1 columns, and slot K (weights_out and ids_out are [N, K + 1], K + 1 <= 32) holds the
-// shared expert as expert X - 1 with weight bf16(sigmoid(logit)), as torch.sigmoid rounds it.
-extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
-                                          int N, int X, int K, int shared) {
-    pdl_enter();
-    const int ld = X;                                          // logits per row
-    const int stride = K + (shared ? 1 : 0);                   // outputs per row
+// One warp routes one token: logits at `base` (X columns, bf16 or fp32), softmax in fp32, the top K
+// (ties to the lower id), renormalised; shared: the last column is the shared expert's gate (slot K,
+// expert X - 1, weight bf16(sigmoid)). Returns true on lanes 0 .. K (+1 with shared) - 1, each with its
+// slot's weight (bf16) and expert id; every lane of the warp must call it.
+__device__ __forceinline__ bool moe_topk_warp(const void* logits, int logits_f32, long long base, int X, int K,
+                                              int shared, bf16_t& w_out, int& id_out) {
     if (shared) --X;
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= N) return;                                      // uniform per warp
     const float NEG_INF = moe_neg_inf();
-    const long long base = (long long)row * ld;
     float p[ROUTE_MAXJ];
     float m = NEG_INF;
 #pragma unroll
@@ -93,13 +92,37 @@ extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, con
     }
     const float total = warp_sum(lane < K ? myv : 0.f);
     if (lane < K) {
-        weights_out[(long long)row * stride + lane] = f32_to_bf16(__fdiv_rn(myv, total));
-        ids_out[(long long)row * stride + lane] = myi;
-    } else if (shared && lane == K) {
+        w_out = f32_to_bf16(__fdiv_rn(myv, total));
+        id_out = myi;
+        return true;
+    }
+    if (shared && lane == K) {
         const float g = logits_f32 ? reinterpret_cast<const float*>(logits)[base + X]
                                    : bf16_to_f32(reinterpret_cast<const bf16_t*>(logits)[base + X]);
-        weights_out[(long long)row * stride + K] = f32_to_bf16(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-g))));
-        ids_out[(long long)row * stride + K] = X;
+        w_out = f32_to_bf16(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-g))));
+        id_out = X;
+        return true;
+    }
+    return false;
+}
+
+// grid (ceil(N / warps per block)), block: a multiple of 32. logits [N, X] (bf16, or fp32 when
+// logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
+// shared: the last logit column is the shared expert's gate, not a router logit: the top K come from
+// the first X - 1 columns, and slot K (weights_out and ids_out are [N, K + 1], K + 1 <= 32) holds the
+// shared expert as expert X - 1 with weight bf16(sigmoid(logit)), as torch.sigmoid rounds it.
+extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
+                                          int N, int X, int K, int shared) {
+    pdl_enter();
+    const int stride = K + (shared ? 1 : 0);                   // outputs per row
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= N) return;                                      // uniform per warp
+    bf16_t w;
+    int id;
+    if (moe_topk_warp(logits, logits_f32, (long long)row * X, X, K, shared, w, id)) {
+        weights_out[(long long)row * stride + lane] = w;
+        ids_out[(long long)row * stride + lane] = id;
     }
 }
 
@@ -123,22 +146,11 @@ __device__ __forceinline__ float moe_dot8(uint4 w, uint4 x, float acc) {
 
 __device__ __forceinline__ float moe_round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
-// grid (ceil(I / warps per block), A, N), block: a multiple of 32; dynamic smem E * 2 bytes.
-// x [N, E] bf16, ids [N, A] (int64 when ids64, else int32), gate_up [X, 2I, E] bf16, h [N, A, I] bf16.
-// E % 8 == 0 and I % 8 == 0; x, gate_up and h 16-byte aligned.
-extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
-                                              const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
-    pdl_enter();
-    extern __shared__ uint4 moe_sx[];
-    const int n = blockIdx.z, a = blockIdx.y;
-    const int nvec = E >> 3;
-    const uint4* xv = reinterpret_cast<const uint4*>(x + (long long)n * E);
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) moe_sx[i] = xv[i];
-    __syncthreads();
+// One warp: h[n, a, j] from the gate row j and the up row j of expert e, x staged in sx (E / 8 vectors).
+__device__ __forceinline__ void moe_gate_up_row(bf16_t* h, const bf16_t* __restrict__ gate_up, const uint4* sx,
+                                                int e, int j, int n, int a, int E, int I, int A) {
     const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (j >= I) return;                                        // uniform per warp, after the barrier
-    const int e = moe_expert(ids, ids64, (long long)n * A + a, X);
+    const int nvec = E >> 3;
     const uint4* g = reinterpret_cast<const uint4*>(gate_up + ((long long)e * 2 * I + j) * E);
     const uint4* u = reinterpret_cast<const uint4*>(gate_up + ((long long)e * 2 * I + I + j) * E);
     float ag = 0.f, au = 0.f;
@@ -153,7 +165,7 @@ extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const 
         for (int k = 0; k < GU_UNROLL; ++k) {
             const int i = b + lane + 32 * k;
             if (i < nvec) {
-                const uint4 xx = moe_sx[i];
+                const uint4 xx = sx[i];
                 ag = moe_dot8(gv[k], xx, ag);
                 au = moe_dot8(uv[k], xx, au);
             }
@@ -168,21 +180,72 @@ extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const 
     }
 }
 
+// grid (ceil(I / warps per block), A, N), block: a multiple of 32; dynamic smem E * 2 bytes.
+// x [N, E] bf16, ids [N, A] (int64 when ids64, else int32), gate_up [X, 2I, E] bf16, h [N, A, I] bf16.
+// E % 8 == 0 and I % 8 == 0; x, gate_up and h 16-byte aligned.
+extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
+                                              const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
+    pdl_enter();
+    extern __shared__ uint4 moe_sx[];
+    const int n = blockIdx.z, a = blockIdx.y;
+    const int nvec = E >> 3;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + (long long)n * E);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) moe_sx[i] = xv[i];
+    __syncthreads();
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= I) return;                                        // uniform per warp, after the barrier
+    const int e = moe_expert(ids, ids64, (long long)n * A + a, X);
+    moe_gate_up_row(h, gate_up, moe_sx, e, j, n, a, E, I, A);
+}
+
+// grid (ceil(I / warps per block), A, N), block: a multiple of 32 (>= 64); dynamic smem E * 2 bytes.
+// As moe_gate_up_swiglu, with the routing done here from logits [N, LX] (bf16, or fp32 when logits_f32;
+// K routed slots, + 1 with shared: A = K + shared, LX <= 512): warp 0 routes token n while the other
+// warps stage x. Blocks (0, 0, n) write weights_out [N, A] bf16 and ids_out [N, A] int32.
+extern "C" __global__ void moe_gate_up_swiglu_routed(bf16_t* h, bf16_t* weights_out, int* ids_out,
+                                                     const bf16_t* x, const void* logits, int logits_f32,
+                                                     int LX, int K, int shared,
+                                                     const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
+    pdl_enter();
+    extern __shared__ uint4 moe_sx[];
+    __shared__ int s_expert;
+    const int n = blockIdx.z, a = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nvec = E >> 3;
+    if (warp == 0) {
+        bf16_t w;
+        int id;
+        if (moe_topk_warp(logits, logits_f32, (long long)n * LX, LX, K, shared, w, id)) {
+            if (lane == a) s_expert = id;
+            if (blockIdx.x == 0 && blockIdx.y == 0) {
+                weights_out[(long long)n * A + lane] = w;
+                ids_out[(long long)n * A + lane] = id;
+            }
+        }
+    } else {
+        const uint4* xv = reinterpret_cast<const uint4*>(x + (long long)n * E);
+        for (int i = threadIdx.x - 32; i < nvec; i += blockDim.x - 32) moe_sx[i] = xv[i];
+    }
+    __syncthreads();
+    const int j = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (j >= I) return;                                        // uniform per warp, after the barrier
+    const int e = s_expert < 0 ? 0 : (s_expert >= X ? X - 1 : s_expert);
+    moe_gate_up_row(h, gate_up, moe_sx, e, j, n, a, E, I, A);
+}
+
 // grid (ceil(E / warps per block), N), block: a multiple of 32; dynamic smem A * I * 2 + A * 8 bytes.
 // h [N, A, I] bf16, ids [N, A], weights [N, A] (fp32 when w_f32, else bf16), down [X, E, I] bf16,
 // out [N, E] bf16. I % 8 == 0; h and down 16-byte aligned.
-extern "C" __global__ void moe_down_combine(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
-                                            const void* weights, int w_f32, const bf16_t* __restrict__ down,
-                                            int E, int I, int X, int A) {
-    pdl_enter();
+template <int UNROLL>
+__device__ __forceinline__ void moe_down_body(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
+                                              const void* weights, int w_f32, const bf16_t* __restrict__ down,
+                                              int E, int I, int X, int A) {
     extern __shared__ uint4 moe_sh[];
     const int n = blockIdx.y;
     const int nci = I >> 3;                                   // 16-byte chunks per row
     const int nv = A * nci;
     float* sw = reinterpret_cast<float*>(moe_sh + nv);
     int* se = reinterpret_cast<int*>(sw + A);
-    const uint4* hv = reinterpret_cast<const uint4*>(h + (long long)n * A * I);
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) moe_sh[i] = hv[i];
     for (int a = threadIdx.x; a < A; a += blockDim.x) {
         const long long k = (long long)n * A + a;
         se[a] = moe_expert(ids, ids64, k, X);
@@ -192,25 +255,54 @@ extern "C" __global__ void moe_down_combine(bf16_t* out, const bf16_t* h, const 
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= E) return;                                        // uniform per warp, after the barrier
-    float acc = 0.f;
-    for (int b = 0; b < nv; b += 32 * DOWN_UNROLL) {
-        uint4 dv[DOWN_UNROLL];
+    const bool live = r < E;                                  // uniform per warp
+    uint4 dv[UNROLL];
+    if (live) {                                               // the first loads need only the ids
 #pragma unroll
-        for (int k = 0; k < DOWN_UNROLL; ++k) {
-            const int t = b + lane + 32 * k;                    // chunk t = (slot a, chunk c of the row)
+        for (int k = 0; k < UNROLL; ++k) {
+            const int t = lane + 32 * k;                        // chunk t = (slot a, chunk c of the row)
             if (t < nv) {
                 const int a = t / nci, c = t - a * nci;
-                const uint4* row = reinterpret_cast<const uint4*>(down + ((long long)se[a] * E + r) * I);
-                dv[k] = __ldg(row + c);
+                dv[k] = __ldg(reinterpret_cast<const uint4*>(down + ((long long)se[a] * E + r) * I) + c);
+            }
+        }
+    }
+    const uint4* hv = reinterpret_cast<const uint4*>(h + (long long)n * A * I);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) moe_sh[i] = hv[i];
+    __syncthreads();
+    if (!live) return;                                         // after the barrier
+    float acc = 0.f;
+    for (int b = 0; b < nv; b += 32 * UNROLL) {
+        if (b > 0) {
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const int t = b + lane + 32 * k;
+                if (t < nv) {
+                    const int a = t / nci, c = t - a * nci;
+                    dv[k] = __ldg(reinterpret_cast<const uint4*>(down + ((long long)se[a] * E + r) * I) + c);
+                }
             }
         }
 #pragma unroll
-        for (int k = 0; k < DOWN_UNROLL; ++k) {
+        for (int k = 0; k < UNROLL; ++k) {
             const int t = b + lane + 32 * k;
             if (t < nv) acc = fmaf(sw[t / nci], moe_dot8(dv[k], moe_sh[t], 0.f), acc);
         }
     }
     acc = warp_sum(acc);
     if (lane == 0) out[(long long)n * E + r] = f32_to_bf16(acc);
+}
+
+extern "C" __global__ void moe_down_combine(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
+                                            const void* weights, int w_f32, const bf16_t* __restrict__ down,
+                                            int E, int I, int X, int A) {
+    pdl_enter();
+    moe_down_body<DOWN_UNROLL>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A);
+}
+
+extern "C" __global__ void moe_down_combine_u8(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
+                                               const void* weights, int w_f32, const bf16_t* __restrict__ down,
+                                               int E, int I, int X, int A) {
+    pdl_enter();
+    moe_down_body<8>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A);
 }

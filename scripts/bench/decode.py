@@ -46,14 +46,15 @@ from runtime.config import PAGE_SIZE  # noqa: E402
 
 def decode_window(timings: list[dict], C: int) -> tuple[float, float]:
     """(latest first token, latest finish) of C requests run together (their final events' timings,
-    seconds from each submission): the window in which every one of them decodes, which the engine
-    benchmarks divide by the steps in it. Raises when some request finished before another had its
-    first token: the steps timed were not C wide (a KV pool or slots too small; docs/perf.md, eleventh
-    session: such rows once timed one lone sequence)."""
-    first = max(t["ttft_s"] for t in timings)
-    if first >= min(t["total_s"] for t in timings):
+    seconds from each submission, plus the submission's own offset "submitted_s" where the caller
+    recorded one, so that every time is on one clock): the window in which every one of them decodes,
+    which the engine benchmarks divide by the steps in it. Raises when some request finished before
+    another had its first token: the steps timed were not C wide (a KV pool or slots too small;
+    docs/perf.md, eleventh session: such rows once timed one lone sequence)."""
+    first = max(t.get("submitted_s", 0.0) + t["ttft_s"] for t in timings)
+    if first >= min(t.get("submitted_s", 0.0) + t["total_s"] for t in timings):
         raise RuntimeError(f"C={C}: the {C} requests did not all decode at once (KV pool or slots)")
-    return first, max(t["total_s"] for t in timings)
+    return first, max(t.get("submitted_s", 0.0) + t["total_s"] for t in timings)
 
 
 def measure_bandwidth(gib: float = 4.0) -> dict:

@@ -8,7 +8,8 @@ bandwidth floor of the slowest rank.
 
 For each weight format and configuration: C requests of --prompt-len random tokens, --new-tokens
 greedy tokens each (ignore_eos), submitted together; the decode step time is (last finish - last
-first token) / (new tokens - 1), from the second of two runs (the first captures that C's CUDA
+first token) / (new tokens - 1), on one clock (each request's times plus its submission's offset; the
+JSON keeps them per request), from the second of two runs (the first captures that C's CUDA
 graphs). The floor per rank: the bytes a decode step reads on that rank (its weight shard, the
 chosen experts' share, its KV heads and GDN state at the mean context of the decode, as the rank
 counts them: ranks/model_cuda.py step_byte_parts) over the read bandwidth measured on GPU 0 before
@@ -63,11 +64,12 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
 
             def one(i):
                 prompt = [random.randrange(vocab) for _ in range(prompt_len)]
+                sub = time.perf_counter() - t0
                 evs = list(engine.submit(prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens,
                                                                 ignore_eos=True)))
                 if evs[-1].error:
                     raise RuntimeError(evs[-1].error)
-                results[i] = evs[-1].timings
+                results[i] = dict(evs[-1].timings, submitted_s=sub)
             st0 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"], fed=engine.stats()["steps_fed"])
             t0 = time.perf_counter()
             threads = [threading.Thread(target=one, args=(i,)) for i in range(C)]
@@ -80,7 +82,8 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
             st1 = dict(engine.stats()["step_time"], ahead=engine.stats()["steps_ahead"], fed=engine.stats()["steps_fed"])
             n = max(st1["steps"] - st0["steps"], 1)
             host = {k: (st1[k] - st0[k]) / n for k in ("coordinator_s", "wait_s", "rank_s", "ahead", "fed")}
-            out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall, host=host)
+            out[C] = dict(step_s=(last - first) / (new_tokens - 1), wall_s=wall, host=host,
+                          requests=[{k: t.get(k) for k in ("submitted_s", "ttft_s", "total_s")} for t in results])
     return out, step_bytes
 
 
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
                     host = r[C]["host"]
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, C=C, step_s=step,
                                             ratio_to_tp1=ratio, floor_s=floor, of_floor=floor / step,
-                                            rank_floor_s=floors, host_per_step_s=host))
+                                            rank_floor_s=floors, host_per_step_s=host, requests=r[C]["requests"]))
                     print(f"{weights:6s} tp {tp} {transport:13s} C={C:3d}: step {step * 1e3:7.2f} ms  "
                           f"{C / step:8.1f} tok/s  {ratio:5.2f}x the tp 1 step  floor {floor * 1e3:6.2f} ms  "
                           f"{floor / step:6.1%} of floor  | per step: rank 0 in its step "
