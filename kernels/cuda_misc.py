@@ -370,6 +370,9 @@ def moe_decode(x: Tensor, logits: Tensor, top_k: int, gate_up: Tensor, down: Ten
     return out
 
 
+_GROUPED_MM: dict[str, bool] = {}
+
+
 def _grouped_mm_works(device: torch.device) -> bool:
     """Whether torch._grouped_mm runs bf16 on this device (tried once per device with a tiny case
     against per-group matmuls)."""
