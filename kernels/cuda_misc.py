@@ -18,8 +18,6 @@ Semantics follow kernels/reference.py (the oracle in tests/test_cuda_misc.py):
                  ties to the lower expert id, renormalised; weights bf16, ids int32.
   moe_experts_*  reference.moe_experts: sum_a w_a * down_e(silu(gate_e x) * up_e x); the decode kernels
                  sum the slots in fp32 with one bf16 rounding (the reference rounds per expert).
-  moe_decode     moe_route then moe_experts_decode in two launches (the routing inside the gate|up
-                 kernel): the same ids, weights and output, bit for bit.
   argmax_rows    per-row max (fp32) and its index (int64), ties to the lower index, NaN never wins
                  (a row with nothing but NaN reports (-inf, 0)).
 """
@@ -44,12 +42,12 @@ ROUTE_MAX_X = 512             # moe.cu: 32 lanes * ROUTE_MAXJ
 ROUTE_MAX_K = 32
 MOE_THREADS = 256             # 8 warps: 8 output rows per CTA
 SMEM_LIMIT = 48 * 1024        # dynamic shared memory without the opt-in attribute
-# The decode MoE kernels (TANDEM_MOE_DECODE, read at every launch, so at graph capture too; for
-# comparisons): "routed" (the default) routes inside the gate|up kernel (moe_decode: two launches per
-# layer), "split" runs moe_route and the gate|up kernel apart (three), "u8" is "split" with the down
-# kernel of the eleventh session (8 loads per lane in flight, all issued after h is staged).
-MOE_DECODE_ENV = "TANDEM_MOE_DECODE"
-MOE_DECODE_VARIANTS = ("routed", "split", "u8")
+# The decode experts' down kernel (TANDEM_MOE_DOWN, read at every launch, so at graph capture too; for
+# comparisons): "" / "default" (moe_down_combine: its first 24 loads per lane issued before h is
+# staged), "u8" (the kernel before the twelfth session: 8 per lane, after h; 35B-A3B step 3.67 against
+# 3.41 ms at C = 1, docs/perf.md). Both sum in the same order: the same bits.
+MOE_DOWN_ENV = "TANDEM_MOE_DOWN"
+MOE_DOWN_VARIANTS = ("default", "u8")
 ARGMAX_THREADS = 256
 
 
@@ -255,11 +253,11 @@ def _check_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, dow
     return N, E, A, X, I
 
 
-def moe_decode_variant() -> str:
-    """The decode MoE kernels from $TANDEM_MOE_DECODE ("routed" when unset or empty)."""
-    v = os.environ.get(MOE_DECODE_ENV) or "routed"
-    if v not in MOE_DECODE_VARIANTS:
-        raise KernelError(f"{MOE_DECODE_ENV}={v!r}: expected one of {', '.join(MOE_DECODE_VARIANTS)}")
+def moe_down_variant() -> str:
+    """The decode experts' down kernel from $TANDEM_MOE_DOWN ("default" when unset or empty)."""
+    v = os.environ.get(MOE_DOWN_ENV) or "default"
+    if v not in MOE_DOWN_VARIANTS:
+        raise KernelError(f"{MOE_DOWN_ENV}={v!r}: expected one of {', '.join(MOE_DOWN_VARIANTS)}")
     return v
 
 
@@ -316,57 +314,7 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
     warps = MOE_THREADS // 32
     launch(kernel("moe", "moe_gate_up_swiglu", dev), (_cdiv(I, warps), A, N), (MOE_THREADS,),
            (h, x, ids, int(ids.dtype == torch.int64), gate_up, E, I, X, A), shared_mem=E * 2, device=dev, pdl=True)
-    _down_combine(out, h, ids, weights, down, E, I, X, A, dev, moe_decode_variant())
-    return out
-
-
-def moe_decode(x: Tensor, logits: Tensor, top_k: int, gate_up: Tensor, down: Tensor, shared: bool = False,
-               out: Tensor | None = None, h: Tensor | None = None, weights_out: Tensor | None = None,
-               ids_out: Tensor | None = None) -> Tensor:
-    """The MoE layer of a small batch from its router logits: moe_route(logits, top_k, shared=shared)
-    then moe_experts_decode(x, ids, weights, gate_up, down), the same result bit for bit, in two
-    launches: the gate|up kernel routes its token itself (warp 0 of each block, while the others stage
-    x) and writes the weights and ids (weights_out [N, A] bf16, ids_out [N, A] int32, A = top_k +
-    shared; scratch unless passed) for the down kernel. gate_up [X, 2I, E] and down [X, E, I] hold every
-    expert the ids can name (with shared: the shared expert last, X = logits' columns). Under
-    TANDEM_MOE_DECODE=split or u8 it runs the two functions instead (three launches)."""
-    check(x, "x", BF16, (None, None))
-    N, E = x.shape
-    check(logits, "logits", (BF16, torch.float32), (N, None))
-    LX = logits.shape[1]
-    A = top_k + int(shared)
-    if weights_out is None:
-        weights_out = torch.empty(N, A, dtype=BF16, device=x.device)
-    if ids_out is None:
-        ids_out = torch.empty(N, A, dtype=torch.int32, device=x.device)
-    variant = moe_decode_variant()
-    if variant != "routed":
-        w, ids = moe_route(logits, top_k, weights_out=weights_out, ids_out=ids_out, shared=shared)
-        return moe_experts_decode(x, ids, w, gate_up, down, out=out, h=h)
-    if LX > ROUTE_MAX_X:
-        raise KernelError(f"logits: {LX} experts > {ROUTE_MAX_X}")
-    k_max = min(LX - int(shared), ROUTE_MAX_K - int(shared))
-    if not 1 <= top_k <= k_max:
-        raise KernelError(f"top_k: {top_k} not in [1, {k_max}]")
-    N, E, A, X, I = _check_experts(x, ids_out, weights_out, gate_up, down)
-    if weights_out.dtype != BF16 or ids_out.dtype != torch.int32:
-        raise KernelError("weights_out and ids_out must be bf16 and int32")
-    if not logits.is_contiguous() or not weights_out.is_contiguous() or not ids_out.is_contiguous():
-        raise KernelError("logits, weights_out and ids_out must be contiguous")
-    out, h = _experts_scratch(x, N, E, A, I, out, h)
-    dev = _same_device(x=x, logits=logits, gate_up=gate_up, down=down, out=out, h=h, weights_out=weights_out,
-                       ids_out=ids_out)
-    if N == 0 or E == 0:
-        return out
-    if I == 0:
-        out.zero_()
-        return out
-    _experts_limits(E, A, I, N, x=x, gate_up=gate_up, down=down, h=h)
-    warps = MOE_THREADS // 32
-    launch(kernel("moe", "moe_gate_up_swiglu_routed", dev), (_cdiv(I, warps), A, N), (MOE_THREADS,),
-           (h, weights_out, ids_out, x, logits, int(logits.dtype == torch.float32), LX, int(top_k), int(shared),
-            gate_up, E, I, X, A), shared_mem=E * 2, device=dev, pdl=True)
-    _down_combine(out, h, ids_out, weights_out, down, E, I, X, A, dev, variant)
+    _down_combine(out, h, ids, weights, down, E, I, X, A, dev, moe_down_variant())
     return out
 
 

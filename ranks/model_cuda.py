@@ -492,18 +492,15 @@ class CudaHybridModel(HybridModel):
             return self.all_reduce(self._linear(mid, w[p + "down_proj.weight"]))
         if not long and p + SHARED_FOLD[0] in w:
             # the shared expert as one more expert (_fold_shared_experts): router and shared gate in one
-            # GEMV, its sigmoid in the routing, its SwiGLU and down projection in the expert kernels (moe_decode)
+            # GEMV, its sigmoid in the route kernel, its SwiGLU and down projection in the expert kernels
             logits = self._linear(h, w[p + SHARED_FOLD[0]])
-            y = cm.moe_decode(h, logits, self.spec.num_experts_per_tok, w[p + SHARED_FOLD[1]], w[p + SHARED_FOLD[2]],
-                              shared=True)
+            wts, ids = cm.moe_route(logits, self.spec.num_experts_per_tok, shared=True)
+            y = cm.moe_experts_decode(h, ids, wts, w[p + SHARED_FOLD[1]], w[p + SHARED_FOLD[2]])
             return self.all_reduce(y)
         router = self._linear(h, w[p + "gate.weight"])
-        gu, dn = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]
-        if long:
-            wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
-            y = cm.moe_experts_prefill(h, ids, wts, gu, dn)
-        else:
-            y = cm.moe_decode(h, router, self.spec.num_experts_per_tok, gu, dn)
+        wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
+        experts = cm.moe_experts_prefill if long else cm.moe_experts_decode
+        y = experts(h, ids, wts, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
         return self.all_reduce(self._add_shared_expert(p, h, y))
 
     def _add_shared_expert(self, q: str, h: Tensor, y: Tensor) -> Tensor:

@@ -18,6 +18,11 @@ def pytest_report_header(config):
     return f"tandem test seed: {BASE_SEED} (replay with TANDEM_TEST_SEED={BASE_SEED})"
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # also at the end, where -q (which hides the header) and a log's tail still show it
+    terminalreporter.write_line(f"tandem test seed: {BASE_SEED} (replay with TANDEM_TEST_SEED={BASE_SEED})")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "slow: long-running CPU test")

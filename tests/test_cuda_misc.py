@@ -361,47 +361,24 @@ def test_moe_block_with_route(seed):
     assert rel(got, want) <= 1e-2
 
 
-@pytest.mark.parametrize("N,E,X,A,I,shared", [(1, 2048, 257, 8, 512, True), (8, 2048, 257, 8, 512, True),
-                                              (1, 2048, 256, 8, 512, False), (64, 2048, 256, 8, 256, False),
-                                              (5, 40, 9, 2, 32, True), (3, 24, 8, 2, 32, False),
-                                              (2, 64, 33, 31, 16, True)], ids=lambda v: str(v))
-@pytest.mark.parametrize("logit_dtype", [BF16, torch.float32])
-def test_moe_decode_equals_route_then_experts(N, E, X, A, I, shared, logit_dtype, seed, monkeypatch):
-    """moe_decode (the routing inside the gate|up kernel, two launches) against moe_route then
-    moe_experts_decode (three): the same weights, ids and output bit for bit, under each
-    TANDEM_MOE_DECODE variant (split, and u8 with the earlier down kernel: the same sum order), and
-    against reference.moe_block. X counts every expert the kernels can name: with shared, the router's
-    X - 1 columns and the shared expert last (as ranks/model_cuda.py folds it), A = top_k + 1."""
+@pytest.mark.parametrize("N,E,X,A,I", EXPERT_SHAPES + [(1, 2048, 257, 9, 512), (8, 2048, 257, 9, 512),
+                                                   (2, 64, 40, 31, 16), (2, 64, 16, 16, 512)], ids=lambda v: str(v))
+def test_moe_down_kernels_agree(N, E, X, A, I, seed, monkeypatch):
+    """The down kernel (its first 24 loads per lane issued before h is staged, more than one batch
+    where A * I / 8 > 768) and the earlier one (TANDEM_MOE_DOWN=u8) sum in the same order: the same
+    bits; both within the bf16 bound of reference.moe_experts. Shapes include the 35B-A3B's with the
+    shared expert folded (A = 9) and rows of two batches (A * I = 8192: 1024 chunks of 16 bytes)."""
     cm = _cm()
     g = _gen(seed)
-    x, _, _, gate_up, down = _experts_inputs(N, E, X, A, I, g)
-    w_gates = _randn((X, E), g, scale=2.0 / E ** 0.5)
-    logits = F.linear(x, w_gates).to(logit_dtype)
-    top_k = A - int(shared)
-    want_w, want_ids = cm.moe_route(logits, top_k, shared=shared)
-    want = cm.moe_experts_decode(x, want_ids, want_w, gate_up, down)
-    same = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))
-    for variant in ("", "split", "u8"):
-        monkeypatch.setenv(cm.MOE_DECODE_ENV, variant)
-        w_out, ids_out = _poison((N, A), BF16), _poison((N, A), torch.int32)
-        got = cm.moe_decode(x, logits, top_k, gate_up, down, shared=shared, out=_poison((N, E), BF16),
-                            h=_poison((N, A, I), BF16), weights_out=w_out, ids_out=ids_out)
-        assert torch.equal(ids_out, want_ids), variant
-        assert same(w_out, want_w), variant
-        assert same(got, want), variant
-    if not shared:
-        if logit_dtype == BF16:
-            ref_out = ref.moe_block(x, w_gates, top_k, gate_up, down, None, None)
-            assert rel(got, ref_out) <= 1e-2
-    else:                                        # the shared expert: sigmoid(gate) * its SwiGLU MLP
-        sg = torch.sigmoid(logits[:, -1:].float()).to(BF16)
-        routed = cm.moe_experts_decode(x, want_ids[:, :top_k].contiguous(), want_w[:, :top_k].contiguous(),
-                                       gate_up, down)
-        mlp = ref.moe_experts(x, torch.full((N, 1), X - 1, dtype=torch.long, device="cuda"),
-                              torch.ones(N, 1, dtype=BF16, device="cuda"), gate_up, down)
-        assert rel(got, routed.float() + sg.float() * mlp.float()) <= 2e-2
-    with pytest.raises(cm.KernelError, match="top_k"):
-        cm.moe_decode(x, logits, X + 1, gate_up, down, shared=shared)
+    x, ids, weights, gate_up, down = _experts_inputs(N, E, X, A, I, g)
+    want = ref.moe_experts(x, ids.long(), weights, gate_up, down)
+    outs = []
+    for variant in ("", "u8"):
+        monkeypatch.setenv(cm.MOE_DOWN_ENV, variant)
+        outs.append(cm.moe_experts_decode(x, ids, weights, gate_up, down, out=_poison((N, E), BF16),
+                                          h=_poison((N, A, I), BF16)))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert rel(outs[0], want) <= 1e-2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,11 +459,10 @@ def test_capturable_in_cuda_graph(seed):
         router = F.linear(static_x, w_router)
         w, ids = cm.moe_route(router, A)
         y = cm.moe_experts_decode(static_x, ids, w, gate_up, down)
-        y2 = cm.moe_decode(static_x, router, A, gate_up, down)
         resid, h = cm.add_rms_norm(emb, y, w_norm, EPS)
         logits = F.linear(h, head)
         vals, best = cm.argmax_rows(logits)
-        return emb, router, w, ids, y, y2, resid, h, logits, vals, best
+        return emb, router, w, ids, y, resid, h, logits, vals, best
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -495,7 +471,7 @@ def test_capturable_in_cuda_graph(seed):
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        emb, router, w, ids, y, y2, resid, h, logits, vals, best = step()
+        emb, router, w, ids, y, resid, h, logits, vals, best = step()
     same = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == BF16 else torch.equal(a, b)
     for _ in range(2):
         static_x.copy_(_randn((N, E), g))
@@ -506,7 +482,6 @@ def test_capturable_in_cuda_graph(seed):
         w_e, ids_e = cm.moe_route(router, A)
         assert same(w, w_e) and same(ids, ids_e)
         assert same(y, cm.moe_experts_decode(static_x, ids, w, gate_up, down))
-        assert same(y2, y)                                      # the routing inside the gate|up kernel
         r_e, h_e = cm.add_rms_norm(emb, y, w_norm, EPS)
         assert same(resid, r_e) and same(h, h_e)
         v_e, b_e = cm.argmax_rows(logits)

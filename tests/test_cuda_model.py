@@ -110,38 +110,21 @@ class RouteRecorder:
     `factor` times what the bfloat16 reference's router logits are off at that point (their largest
     error over the experts). A choice that differs at a clear margin is a routing bug.
 
-    Records the expert ids of kernels.cuda_misc.moe_route and moe_decode (wrapped; eager forwards only,
-    where every call runs the wrappers; a moe_route inside moe_decode counts once). One call per MoE
-    layer per forward, columns in batch order."""
+    Records kernels.cuda_misc.moe_route's results (wrapped; eager forwards only, where every call runs
+    the wrapper). One call per MoE layer per forward, columns in batch order."""
 
     def __init__(self, monkeypatch, top_k, lengths, module=None):
         import kernels.cuda_misc as cm
         cm = cm if module is None else module             # another moe_route to wrap (a CPU dry run)
         self.k, self.lengths, self.ids, self.calls, self.flips = top_k, lengths, None, [], []
-        self.inside = False
-        route, decode = cm.moe_route, getattr(cm, "moe_decode", None)
+        route = cm.moe_route
 
         def recording(*args, **kwargs):
             weights, ids = route(*args, **kwargs)
-            if not self.inside:
-                self.calls.append(ids[:, :self.k].long().cpu())
+            self.calls.append(ids[:, :self.k].long().cpu())
             return weights, ids
 
-        def recording_decode(x, logits, top_k, *args, **kwargs):
-            if kwargs.get("ids_out") is None:
-                kwargs["ids_out"] = torch.empty(x.shape[0], top_k + int(kwargs.get("shared", False)),
-                                                dtype=torch.int32, device=x.device)
-            self.inside = True
-            try:
-                y = decode(x, logits, top_k, *args, **kwargs)
-            finally:
-                self.inside = False
-            self.calls.append(kwargs["ids_out"][:, :self.k].long().cpu())
-            return y
-
         monkeypatch.setattr(cm, "moe_route", recording)
-        if decode is not None:
-            monkeypatch.setattr(cm, "moe_decode", recording_decode)
 
     def step(self, rows):
         """After one forward: rows = (sequence, position) of each of its columns, in order."""

@@ -190,17 +190,17 @@ def test_pdl_scope(monkeypatch, value, gemv, norm, exchange):
         L.pdl_reset()
 
 
-def test_moe_decode_variant_from_the_environment(monkeypatch):
-    """TANDEM_MOE_DECODE (comparisons): routed by default and when empty, split and u8 on request, any
-    other value an error that names the variable."""
+def test_moe_down_variant_from_the_environment(monkeypatch):
+    """TANDEM_MOE_DOWN (comparisons): default when unset or empty, u8 on request, any other value an
+    error that names the variable."""
     import pytest
     from kernels import cuda_misc as cm
     from kernels.launch import KernelError
-    monkeypatch.delenv(cm.MOE_DECODE_ENV, raising=False)
-    assert cm.moe_decode_variant() == "routed"
-    for v, want in (("", "routed"), ("split", "split"), ("u8", "u8"), ("routed", "routed")):
-        monkeypatch.setenv(cm.MOE_DECODE_ENV, v)
-        assert cm.moe_decode_variant() == want
-    monkeypatch.setenv(cm.MOE_DECODE_ENV, "fused")
-    with pytest.raises(KernelError, match=cm.MOE_DECODE_ENV):
-        cm.moe_decode_variant()
+    monkeypatch.delenv(cm.MOE_DOWN_ENV, raising=False)
+    assert cm.moe_down_variant() == "default"
+    for v, want in (("", "default"), ("default", "default"), ("u8", "u8")):
+        monkeypatch.setenv(cm.MOE_DOWN_ENV, v)
+        assert cm.moe_down_variant() == want
+    monkeypatch.setenv(cm.MOE_DOWN_ENV, "u24")
+    with pytest.raises(KernelError, match=cm.MOE_DOWN_ENV):
+        cm.moe_down_variant()

@@ -5,14 +5,11 @@
 //                      k rounds of a warp argmax with ties to the lower expert id, renormalised to sum 1.
 // moe_gate_up_swiglu:  h[n, a, :] = bf16(bf16(silu(bf16(gate_e x_n))) * bf16(up_e x_n)), e = ids[n, a]:
 //                      one warp per output row j (the gate row j and the up row j of expert e).
-// moe_gate_up_swiglu_routed: the same from router logits: warp 0 of every block routes its token
-//                      (moe_topk_warp, the code of moe_route_topk, so the same ids and weights bit for
-//                      bit) while the other warps stage x; blocks (0, 0, n) also write token n's
-//                      weights and ids for moe_down_combine. One launch fewer per MoE layer.
 // moe_down_combine:    out[n, r] = bf16(sum_a w[n, a] * (down_e[r, :] . h[n, a, :])) in fp32:
 //                      one warp per output row r, its first DOWN_UNROLL loads per lane issued before
 //                      h is staged (they need only the ids), up to 32 * DOWN_UNROLL chunks in flight
-//                      (moe_down_combine_u8: 8, the kernel before the twelfth session, for comparisons).
+//                      (moe_down_combine_u8: 8 per lane, all issued after h is staged, the kernel
+//                      before the twelfth session, for comparisons: 3.67 against 3.41 ms per 35B-A3B step).
 //
 // Only the selected experts' weights are read; expert ids come from device memory and are clamped
 // to [0, X) so that a bad id can never read out of bounds.
@@ -29,7 +26,9 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
-// One warp routes one token: logits at `base` (X columns, bf16 or fp32), softmax in fp32, the top K
+// One warp routes one token (moe_route_topk; a gate|up kernel that routed its own token this way, one
+// launch fewer, was slower: 3.68 against 3.41 ms per 35B-A3B step, docs/perf.md, twelfth session):
+// logits at `base` (X columns, bf16 or fp32), softmax in fp32, the top K
 // (ties to the lower id), renormalised; shared: the last column is the shared expert's gate (slot K,
 // expert X - 1, weight bf16(sigmoid)). Returns true on lanes 0 .. K (+1 with shared) - 1, each with its
 // slot's weight (bf16) and expert id; every lane of the warp must call it.
@@ -195,41 +194,6 @@ extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const 
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (j >= I) return;                                        // uniform per warp, after the barrier
     const int e = moe_expert(ids, ids64, (long long)n * A + a, X);
-    moe_gate_up_row(h, gate_up, moe_sx, e, j, n, a, E, I, A);
-}
-
-// grid (ceil(I / warps per block), A, N), block: a multiple of 32 (>= 64); dynamic smem E * 2 bytes.
-// As moe_gate_up_swiglu, with the routing done here from logits [N, LX] (bf16, or fp32 when logits_f32;
-// K routed slots, + 1 with shared: A = K + shared, LX <= 512): warp 0 routes token n while the other
-// warps stage x. Blocks (0, 0, n) write weights_out [N, A] bf16 and ids_out [N, A] int32.
-extern "C" __global__ void moe_gate_up_swiglu_routed(bf16_t* h, bf16_t* weights_out, int* ids_out,
-                                                     const bf16_t* x, const void* logits, int logits_f32,
-                                                     int LX, int K, int shared,
-                                                     const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
-    pdl_enter();
-    extern __shared__ uint4 moe_sx[];
-    __shared__ int s_expert;
-    const int n = blockIdx.z, a = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nvec = E >> 3;
-    if (warp == 0) {
-        bf16_t w;
-        int id;
-        if (moe_topk_warp(logits, logits_f32, (long long)n * LX, LX, K, shared, w, id)) {
-            if (lane == a) s_expert = id;
-            if (blockIdx.x == 0 && blockIdx.y == 0) {
-                weights_out[(long long)n * A + lane] = w;
-                ids_out[(long long)n * A + lane] = id;
-            }
-        }
-    } else {
-        const uint4* xv = reinterpret_cast<const uint4*>(x + (long long)n * E);
-        for (int i = threadIdx.x - 32; i < nvec; i += blockDim.x - 32) moe_sx[i] = xv[i];
-    }
-    __syncthreads();
-    const int j = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (j >= I) return;                                        // uniform per warp, after the barrier
-    const int e = s_expert < 0 ? 0 : (s_expert >= X ? X - 1 : s_expert);
     moe_gate_up_row(h, gate_up, moe_sx, e, j, n, a, E, I, A);
 }
 
