@@ -42,12 +42,13 @@ ROUTE_MAX_X = 512             # moe.cu: 32 lanes * ROUTE_MAXJ
 ROUTE_MAX_K = 32
 MOE_THREADS = 256             # 8 warps: 8 output rows per CTA
 SMEM_LIMIT = 48 * 1024        # dynamic shared memory without the opt-in attribute
-# The decode experts' down kernel (TANDEM_MOE_DOWN, read at every launch, so at graph capture too; for
-# comparisons): "" / "default" (moe_down_combine: its first 24 loads per lane issued before h is
-# staged), "u8" (the kernel before the twelfth session: 8 per lane, after h; 35B-A3B step 3.67 against
+# The decode experts' kernels (TANDEM_MOE_KERNELS, read at every launch, so at graph capture too; for
+# comparisons): "" / "default" (each warp's first weight loads issued before x or h is staged; the down
+# kernel 24 loads per lane in flight), "old" (the kernels before the twelfth session: loads after the
+# staging, the down kernel 8 per lane; the 35B-A3B step with the old down kernel alone was 3.67 against
 # 3.41 ms at C = 1, docs/perf.md). Both sum in the same order: the same bits.
-MOE_DOWN_ENV = "TANDEM_MOE_DOWN"
-MOE_DOWN_VARIANTS = ("default", "u8")
+MOE_KERNELS_ENV = "TANDEM_MOE_KERNELS"
+MOE_KERNELS_VARIANTS = ("default", "old")
 ARGMAX_THREADS = 256
 
 
@@ -253,11 +254,11 @@ def _check_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, dow
     return N, E, A, X, I
 
 
-def moe_down_variant() -> str:
-    """The decode experts' down kernel from $TANDEM_MOE_DOWN ("default" when unset or empty)."""
-    v = os.environ.get(MOE_DOWN_ENV) or "default"
-    if v not in MOE_DOWN_VARIANTS:
-        raise KernelError(f"{MOE_DOWN_ENV}={v!r}: expected one of {', '.join(MOE_DOWN_VARIANTS)}")
+def moe_kernels_variant() -> str:
+    """The decode experts' kernels from $TANDEM_MOE_KERNELS ("default" when unset or empty)."""
+    v = os.environ.get(MOE_KERNELS_ENV) or "default"
+    if v not in MOE_KERNELS_VARIANTS:
+        raise KernelError(f"{MOE_KERNELS_ENV}={v!r}: expected one of {', '.join(MOE_KERNELS_VARIANTS)}")
     return v
 
 
@@ -288,7 +289,7 @@ def _experts_limits(E: int, A: int, I: int, N: int, **aligned: Tensor) -> None:
 def _down_combine(out: Tensor, h: Tensor, ids: Tensor, weights: Tensor, down: Tensor, E: int, I: int, X: int,
                   A: int, dev: int, variant: str) -> None:
     warps = MOE_THREADS // 32
-    name = "moe_down_combine_u8" if variant == "u8" else "moe_down_combine"
+    name = "moe_down_combine_u8" if variant == "old" else "moe_down_combine"
     launch(kernel("moe", name, dev), (_cdiv(E, warps), out.shape[0]), (MOE_THREADS,),
            (out, h, ids, int(ids.dtype == torch.int64), weights, int(weights.dtype == torch.float32), down,
             E, I, X, A), shared_mem=A * I * 2 + A * 8, device=dev, pdl=True)
@@ -311,10 +312,11 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
         out.zero_()
         return out
     _experts_limits(E, A, I, N, x=x, gate_up=gate_up, down=down, h=h)
-    warps = MOE_THREADS // 32
-    launch(kernel("moe", "moe_gate_up_swiglu", dev), (_cdiv(I, warps), A, N), (MOE_THREADS,),
+    warps, variant = MOE_THREADS // 32, moe_kernels_variant()
+    launch(kernel("moe", "moe_gate_up_swiglu_late" if variant == "old" else "moe_gate_up_swiglu", dev),
+           (_cdiv(I, warps), A, N), (MOE_THREADS,),
            (h, x, ids, int(ids.dtype == torch.int64), gate_up, E, I, X, A), shared_mem=E * 2, device=dev, pdl=True)
-    _down_combine(out, h, ids, weights, down, E, I, X, A, dev, moe_down_variant())
+    _down_combine(out, h, ids, weights, down, E, I, X, A, dev, variant)
     return out
 
 

@@ -159,7 +159,7 @@ PDL_PREFIXES = ("gemv_bf16_", "gemv_fp8row_", "gemv_fp8blk_", "gemv_nvfp4", "gqa
 PDL_KERNELS = frozenset({
     "embedding_bf16_v8", "embedding_bf16_generic", "rms_norm_bf16_v8", "rms_norm_bf16_generic",
     "add_rms_norm_bf16_v8", "add_rms_norm_bf16_generic", "swiglu_bf16_v8", "swiglu_bf16_generic",
-    "moe_route_topk", "moe_gate_up_swiglu", "moe_down_combine",
+    "moe_route_topk", "moe_gate_up_swiglu", "moe_gate_up_swiglu_late", "moe_down_combine",
     "moe_down_combine_u8", "qk_norm_rope_kv_write_bf16",
     "qk_norm_rope_kv_write_i8", "gqa_decode_combine", "gdn_conv1d_bf16", "gdn_gated_rms_norm_bf16",
     "floor_empty"})

@@ -190,17 +190,17 @@ def test_pdl_scope(monkeypatch, value, gemv, norm, exchange):
         L.pdl_reset()
 
 
-def test_moe_down_variant_from_the_environment(monkeypatch):
-    """TANDEM_MOE_DOWN (comparisons): default when unset or empty, u8 on request, any other value an
-    error that names the variable."""
+def test_moe_kernels_variant_from_the_environment(monkeypatch):
+    """TANDEM_MOE_KERNELS (comparisons): default when unset or empty, old on request, any other value
+    an error that names the variable."""
     import pytest
     from kernels import cuda_misc as cm
     from kernels.launch import KernelError
-    monkeypatch.delenv(cm.MOE_DOWN_ENV, raising=False)
-    assert cm.moe_down_variant() == "default"
-    for v, want in (("", "default"), ("default", "default"), ("u8", "u8")):
-        monkeypatch.setenv(cm.MOE_DOWN_ENV, v)
-        assert cm.moe_down_variant() == want
-    monkeypatch.setenv(cm.MOE_DOWN_ENV, "u24")
-    with pytest.raises(KernelError, match=cm.MOE_DOWN_ENV):
-        cm.moe_down_variant()
+    monkeypatch.delenv(cm.MOE_KERNELS_ENV, raising=False)
+    assert cm.moe_kernels_variant() == "default"
+    for v, want in (("", "default"), ("default", "default"), ("old", "old")):
+        monkeypatch.setenv(cm.MOE_KERNELS_ENV, v)
+        assert cm.moe_kernels_variant() == want
+    monkeypatch.setenv(cm.MOE_KERNELS_ENV, "u8")
+    with pytest.raises(KernelError, match=cm.MOE_KERNELS_ENV):
+        cm.moe_kernels_variant()

@@ -4,7 +4,9 @@
 //                      partial sums then an xor butterfly: the layout of torch's warp softmax), top-k by
 //                      k rounds of a warp argmax with ties to the lower expert id, renormalised to sum 1.
 // moe_gate_up_swiglu:  h[n, a, :] = bf16(bf16(silu(bf16(gate_e x_n))) * bf16(up_e x_n)), e = ids[n, a]:
-//                      one warp per output row j (the gate row j and the up row j of expert e).
+//                      one warp per output row j (the gate row j and the up row j of expert e), its
+//                      first loads issued before x is staged (moe_gate_up_swiglu_late: after, the
+//                      kernel before the twelfth session, for comparisons).
 // moe_down_combine:    out[n, r] = bf16(sum_a w[n, a] * (down_e[r, :] . h[n, a, :])) in fp32:
 //                      one warp per output row r, its first DOWN_UNROLL loads per lane issued before
 //                      h is staged (they need only the ids), up to 32 * DOWN_UNROLL chunks in flight
@@ -145,26 +147,48 @@ __device__ __forceinline__ float moe_dot8(uint4 w, uint4 x, float acc) {
 
 __device__ __forceinline__ float moe_round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
-// One warp: h[n, a, j] from the gate row j and the up row j of expert e, x staged in sx (E / 8 vectors).
-__device__ __forceinline__ void moe_gate_up_row(bf16_t* h, const bf16_t* __restrict__ gate_up, const uint4* sx,
-                                                int e, int j, int n, int a, int E, int I, int A) {
+// grid (ceil(I / warps per block), A, N), block: a multiple of 32; dynamic smem E * 2 bytes.
+// x [N, E] bf16, ids [N, A] (int64 when ids64, else int32), gate_up [X, 2I, E] bf16, h [N, A, I] bf16.
+// E % 8 == 0 and I % 8 == 0; x, gate_up and h 16-byte aligned. EARLY: each warp puts its first GU_UNROLL
+// gate and up loads per lane in flight before x is staged (they need only the expert id).
+template <bool EARLY>
+__device__ __forceinline__ void moe_gate_up_body(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
+                                                 const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
+    extern __shared__ uint4 moe_sx[];
+    const int n = blockIdx.z, a = blockIdx.y;
     const int lane = threadIdx.x & 31;
     const int nvec = E >> 3;
-    const uint4* g = reinterpret_cast<const uint4*>(gate_up + ((long long)e * 2 * I + j) * E);
-    const uint4* u = reinterpret_cast<const uint4*>(gate_up + ((long long)e * 2 * I + I + j) * E);
-    float ag = 0.f, au = 0.f;
-    for (int b = 0; b < nvec; b += 32 * GU_UNROLL) {
-        uint4 gv[GU_UNROLL], uv[GU_UNROLL];
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool live = j < I;                                   // uniform per warp
+    const int e = moe_expert(ids, ids64, (long long)n * A + a, X);
+    const uint4* g = reinterpret_cast<const uint4*>(gate_up + ((long long)e * 2 * I + (live ? j : 0)) * E);
+    const uint4* u = reinterpret_cast<const uint4*>(gate_up + ((long long)e * 2 * I + I + (live ? j : 0)) * E);
+    uint4 gv[GU_UNROLL], uv[GU_UNROLL];
+    if (EARLY && live) {
 #pragma unroll
         for (int k = 0; k < GU_UNROLL; ++k) {
-            const int i = b + lane + 32 * k;
+            const int i = lane + 32 * k;
             if (i < nvec) { gv[k] = __ldg(g + i); uv[k] = __ldg(u + i); }
+        }
+    }
+    const uint4* xv = reinterpret_cast<const uint4*>(x + (long long)n * E);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) moe_sx[i] = xv[i];
+    __syncthreads();
+    if (!live) return;                                         // after the barrier
+    float ag = 0.f, au = 0.f;
+    for (int b = 0; b < nvec; b += 32 * GU_UNROLL) {
+        if (b > 0 || !EARLY) {
+#pragma unroll
+            for (int k = 0; k < GU_UNROLL; ++k) {
+                const int i = b + lane + 32 * k;
+                if (i < nvec) { gv[k] = __ldg(g + i); uv[k] = __ldg(u + i); }
+            }
         }
 #pragma unroll
         for (int k = 0; k < GU_UNROLL; ++k) {
             const int i = b + lane + 32 * k;
             if (i < nvec) {
-                const uint4 xx = sx[i];
+                const uint4 xx = moe_sx[i];
                 ag = moe_dot8(gv[k], xx, ag);
                 au = moe_dot8(uv[k], xx, au);
             }
@@ -177,24 +201,6 @@ __device__ __forceinline__ void moe_gate_up_row(bf16_t* h, const bf16_t* __restr
         const float sg = moe_round_bf16(__fdiv_rn(gb, __fadd_rn(1.f, expf(-gb))));   // F.silu in fp32 -> bf16
         h[((long long)n * A + a) * I + j] = f32_to_bf16(__fmul_rn(sg, ub));  // bf16 * bf16 -> bf16
     }
-}
-
-// grid (ceil(I / warps per block), A, N), block: a multiple of 32; dynamic smem E * 2 bytes.
-// x [N, E] bf16, ids [N, A] (int64 when ids64, else int32), gate_up [X, 2I, E] bf16, h [N, A, I] bf16.
-// E % 8 == 0 and I % 8 == 0; x, gate_up and h 16-byte aligned.
-extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
-                                              const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
-    pdl_enter();
-    extern __shared__ uint4 moe_sx[];
-    const int n = blockIdx.z, a = blockIdx.y;
-    const int nvec = E >> 3;
-    const uint4* xv = reinterpret_cast<const uint4*>(x + (long long)n * E);
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) moe_sx[i] = xv[i];
-    __syncthreads();
-    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (j >= I) return;                                        // uniform per warp, after the barrier
-    const int e = moe_expert(ids, ids64, (long long)n * A + a, X);
-    moe_gate_up_row(h, gate_up, moe_sx, e, j, n, a, E, I, A);
 }
 
 // grid (ceil(E / warps per block), N), block: a multiple of 32; dynamic smem A * I * 2 + A * 8 bytes.
@@ -269,4 +275,16 @@ extern "C" __global__ void moe_down_combine_u8(bf16_t* out, const bf16_t* h, con
                                                int E, int I, int X, int A) {
     pdl_enter();
     moe_down_body<8>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A);
+}
+
+extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
+                                              const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
+    pdl_enter();
+    moe_gate_up_body<true>(h, x, ids, ids64, gate_up, E, I, X, A);
+}
+
+extern "C" __global__ void moe_gate_up_swiglu_late(bf16_t* h, const bf16_t* x, const void* ids, int ids64,
+                                                   const bf16_t* __restrict__ gate_up, int E, int I, int X, int A) {
+    pdl_enter();
+    moe_gate_up_body<false>(h, x, ids, ids64, gate_up, E, I, X, A);
 }
