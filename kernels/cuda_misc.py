@@ -43,12 +43,15 @@ ROUTE_MAX_K = 32
 MOE_THREADS = 256             # 8 warps: 8 output rows per CTA
 SMEM_LIMIT = 48 * 1024        # dynamic shared memory without the opt-in attribute
 # The decode experts' kernels (TANDEM_MOE_KERNELS, read at every launch, so at graph capture too; for
-# comparisons): "" / "default" (each warp's first weight loads issued before x or h is staged; the down
-# kernel 24 loads per lane in flight), "old" (the kernels before the twelfth session: loads after the
-# staging, the down kernel 8 per lane; the 35B-A3B step with the old down kernel alone was 3.67 against
-# 3.41 ms at C = 1, docs/perf.md). Both sum in the same order: the same bits.
+# comparisons): "early" (each warp's first weight loads issued before x or h is staged; the down
+# kernel 24 loads per lane in flight, more registers, fewer resident blocks), "old" (the kernels before
+# the twelfth session: loads after the staging, the down kernel 8 per lane), "auto" (the default, or
+# unset / empty): early for batches of at most MOE_EARLY_MAX_N tokens, where a launch is a wave or two
+# and latency rules, old above it. 35B-A3B step, one H200 (docs/perf.md, twelfth session): C = 1 3.31
+# (early) against 3.51 ms (old); C = 8 9.36 against 9.11 ms. Both sum in the same order: the same bits.
 MOE_KERNELS_ENV = "TANDEM_MOE_KERNELS"
-MOE_KERNELS_VARIANTS = ("default", "old")
+MOE_KERNELS_VARIANTS = ("auto", "early", "old")
+MOE_EARLY_MAX_N = 4
 ARGMAX_THREADS = 256
 
 
@@ -255,8 +258,8 @@ def _check_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, dow
 
 
 def moe_kernels_variant() -> str:
-    """The decode experts' kernels from $TANDEM_MOE_KERNELS ("default" when unset or empty)."""
-    v = os.environ.get(MOE_KERNELS_ENV) or "default"
+    """The decode experts' kernels from $TANDEM_MOE_KERNELS ("auto" when unset or empty)."""
+    v = os.environ.get(MOE_KERNELS_ENV) or "auto"
     if v not in MOE_KERNELS_VARIANTS:
         raise KernelError(f"{MOE_KERNELS_ENV}={v!r}: expected one of {', '.join(MOE_KERNELS_VARIANTS)}")
     return v
@@ -313,6 +316,8 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
         return out
     _experts_limits(E, A, I, N, x=x, gate_up=gate_up, down=down, h=h)
     warps, variant = MOE_THREADS // 32, moe_kernels_variant()
+    if variant == "auto":
+        variant = "early" if N <= MOE_EARLY_MAX_N else "old"
     launch(kernel("moe", "moe_gate_up_swiglu_late" if variant == "old" else "moe_gate_up_swiglu", dev),
            (_cdiv(I, warps), A, N), (MOE_THREADS,),
            (h, x, ids, int(ids.dtype == torch.int64), gate_up, E, I, X, A), shared_mem=E * 2, device=dev, pdl=True)

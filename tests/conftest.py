@@ -18,11 +18,6 @@ def pytest_report_header(config):
     return f"tandem test seed: {BASE_SEED} (replay with TANDEM_TEST_SEED={BASE_SEED})"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    # also at the end, where -q (which hides the header) and a log's tail still show it
-    terminalreporter.write_line(f"tandem test seed: {BASE_SEED} (replay with TANDEM_TEST_SEED={BASE_SEED})")
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "slow: long-running CPU test")
@@ -68,12 +63,14 @@ def gpu_count() -> int:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Print the ptxas resource report that tests/test_cuda_compile.py leaves on the config."""
+    """Print the ptxas resource report that tests/test_cuda_compile.py leaves on the config, and the
+    seed again (-q hides the header; a log's tail then still shows it)."""
     lines = getattr(config, "_tandem_ptxas_report", None)
     if lines:
         terminalreporter.section("ptxas resource usage")
         for line in lines:
             terminalreporter.write_line(line)
+    terminalreporter.write_line(f"tandem test seed: {BASE_SEED} (replay with TANDEM_TEST_SEED={BASE_SEED})")
 
 
 @pytest.fixture

@@ -364,20 +364,22 @@ def test_moe_block_with_route(seed):
 @pytest.mark.parametrize("N,E,X,A,I", EXPERT_SHAPES + [(1, 2048, 257, 9, 512), (8, 2048, 257, 9, 512),
                                                    (2, 64, 40, 31, 16), (2, 64, 16, 16, 512)], ids=lambda v: str(v))
 def test_moe_expert_kernels_agree(N, E, X, A, I, seed, monkeypatch):
-    """The expert kernels (the first weight loads issued before x / h are staged; the down kernel's 24
-    per lane, more than one batch where A * I / 8 > 768) and the earlier ones (TANDEM_MOE_KERNELS=old)
-    sum in the same order: the same bits; both within the bf16 bound of reference.moe_experts. Shapes include the 35B-A3B's with the
+    """The expert kernels (TANDEM_MOE_KERNELS=early: the first weight loads issued before x / h are
+    staged; the down kernel's 24 per lane, more than one batch where A * I / 8 > 768), the earlier ones
+    (old) and the default's choice between them sum in the same order: the same bits; all within the
+    bf16 bound of reference.moe_experts. Shapes include the 35B-A3B's with the
     shared expert folded (A = 9) and rows of two batches (A * I = 8192: 1024 chunks of 16 bytes)."""
     cm = _cm()
     g = _gen(seed)
     x, ids, weights, gate_up, down = _experts_inputs(N, E, X, A, I, g)
     want = ref.moe_experts(x, ids.long(), weights, gate_up, down)
     outs = []
-    for variant in ("", "old"):
+    for variant in ("early", "old", ""):
         monkeypatch.setenv(cm.MOE_KERNELS_ENV, variant)
         outs.append(cm.moe_experts_decode(x, ids, weights, gate_up, down, out=_poison((N, E), BF16),
                                           h=_poison((N, A, I), BF16)))
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    for o in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int16), o.view(torch.int16))
     assert rel(outs[0], want) <= 1e-2
 
 

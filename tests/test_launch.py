@@ -191,14 +191,14 @@ def test_pdl_scope(monkeypatch, value, gemv, norm, exchange):
 
 
 def test_moe_kernels_variant_from_the_environment(monkeypatch):
-    """TANDEM_MOE_KERNELS (comparisons): default when unset or empty, old on request, any other value
-    an error that names the variable."""
+    """TANDEM_MOE_KERNELS (comparisons): auto when unset or empty, early and old on request, any other
+    value an error that names the variable."""
     import pytest
     from kernels import cuda_misc as cm
     from kernels.launch import KernelError
     monkeypatch.delenv(cm.MOE_KERNELS_ENV, raising=False)
-    assert cm.moe_kernels_variant() == "default"
-    for v, want in (("", "default"), ("default", "default"), ("old", "old")):
+    assert cm.moe_kernels_variant() == "auto"
+    for v, want in (("", "auto"), ("auto", "auto"), ("early", "early"), ("old", "old")):
         monkeypatch.setenv(cm.MOE_KERNELS_ENV, v)
         assert cm.moe_kernels_variant() == want
     monkeypatch.setenv(cm.MOE_KERNELS_ENV, "u8")
