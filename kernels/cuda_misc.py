@@ -46,12 +46,12 @@ SMEM_LIMIT = 48 * 1024        # dynamic shared memory without the opt-in attribu
 # comparisons): "early" (each warp's first weight loads issued before x or h is staged; the down
 # kernel 24 loads per lane in flight, more registers, fewer resident blocks), "old" (the kernels before
 # the twelfth session: loads after the staging, the down kernel 8 per lane), "auto" (the default, or
-# unset / empty): early for batches of at most MOE_EARLY_MAX_N tokens, where a launch is a wave or two
-# and latency rules, old above it. 35B-A3B step, one H200 (docs/perf.md, twelfth session): C = 1 3.31
-# (early) against 3.51 ms (old); C = 8 9.36 against 9.11 ms. Both sum in the same order: the same bits.
+# unset / empty): early for batches of at most MOE_EARLY_MAX_N tokens, old above. 35B-A3B step, one
+# H200, the two alternated three times in one process (docs/perf.md, twelfth session): early was
+# 3.4-4.8% faster at C = 1, old 1.5-5% faster at C = 2, 4 and 8. Both sum in the same order: the same bits.
 MOE_KERNELS_ENV = "TANDEM_MOE_KERNELS"
 MOE_KERNELS_VARIANTS = ("auto", "early", "old")
-MOE_EARLY_MAX_N = 4
+MOE_EARLY_MAX_N = 1
 ARGMAX_THREADS = 256
 
 

@@ -5,13 +5,14 @@
 //                      k rounds of a warp argmax with ties to the lower expert id, renormalised to sum 1.
 // moe_gate_up_swiglu:  h[n, a, :] = bf16(bf16(silu(bf16(gate_e x_n))) * bf16(up_e x_n)), e = ids[n, a]:
 //                      one warp per output row j (the gate row j and the up row j of expert e), its
-//                      first loads issued before x is staged (moe_gate_up_swiglu_late: after, the
-//                      kernel before the twelfth session, for comparisons).
+//                      first loads issued before x is staged.
 // moe_down_combine:    out[n, r] = bf16(sum_a w[n, a] * (down_e[r, :] . h[n, a, :])) in fp32:
 //                      one warp per output row r, its first DOWN_UNROLL loads per lane issued before
-//                      h is staged (they need only the ids), up to 32 * DOWN_UNROLL chunks in flight
-//                      (moe_down_combine_u8: 8 per lane, all issued after h is staged, the kernel
-//                      before the twelfth session, for comparisons: 3.67 against 3.41 ms per 35B-A3B step).
+//                      h is staged (they need only the ids), up to 32 * DOWN_UNROLL chunks in flight.
+// moe_gate_up_swiglu_late, moe_down_combine_u8: the same sums in the same order with every load after
+//                      the staging (the down kernel 8 per lane): fewer registers, more resident blocks.
+//                      kernels/cuda_misc.py takes the early pair for one token, these for more (measured
+//                      on the 35B-A3B, docs/perf.md, twelfth session).
 //
 // Only the selected experts' weights are read; expert ids come from device memory and are clamped
 // to [0, X) so that a bad id can never read out of bounds.
@@ -29,7 +30,8 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
 }
 
 // One warp routes one token (moe_route_topk; a gate|up kernel that routed its own token this way, one
-// launch fewer, was slower: 3.68 against 3.41 ms per 35B-A3B step, docs/perf.md, twelfth session):
+// launch fewer, was slower: 3.68 against 3.41 ms per 35B-A3B step at C = 1, 11.27 against 9.31 at
+// C = 8, docs/perf.md, twelfth session):
 // logits at `base` (X columns, bf16 or fp32), softmax in fp32, the top K
 // (ties to the lower id), renormalised; shared: the last column is the shared expert's gate (slot K,
 // expert X - 1, weight bf16(sigmoid)). Returns true on lanes 0 .. K (+1 with shared) - 1, each with its
