@@ -108,7 +108,11 @@ class RouteRecorder:
     are checked here: where the CUDA model's experts differ from the float32 reference's own top-k on
     that same path, the reference's gap between its k-th and (k+1)-th router logit must be below
     `factor` times what the bfloat16 reference's router logits are off at that point (their largest
-    error over the experts). A choice that differs at a clear margin is a routing bug.
+    error over the experts). That per-position error is one sample of the bf16 noise, and a run has
+    ~150 differences at near-ties: twice in ~8 runs of the twelfth session one position went past 4x
+    (gap 0.44 against 0.087, 1.03 against 0.18) while every kernel test passed. So one position may go
+    past `factor` (up to `hard` times the noise); a second, or one past `hard`, is a routing bug (a
+    wrong rule or tie-break flips many positions at clear margins, not one).
 
     Records kernels.cuda_misc.moe_route's results (wrapped; eager forwards only, where every call runs
     the wrapper). One call per MoE layer per forward, columns in batch order."""
@@ -137,8 +141,9 @@ class RouteRecorder:
             for i, (b, t) in enumerate(rows):
                 self.ids[b][layer][t] = ids[i]
 
-    def check(self, routes, routes16, factor=4.0):
+    def check(self, routes, routes16, factor=4.0, hard=16.0):
         """routes / routes16: the float32 / bfloat16 references' router logits on the forced path."""
+        clear = []
         for b, layers in enumerate(self.ids):
             for layer, ids in enumerate(layers):
                 for t in torch.nonzero(ids[:, 0] >= 0).flatten().tolist():
@@ -151,8 +156,12 @@ class RouteRecorder:
                     gap = float(top[self.k - 1] - top[self.k])
                     noise = float((routes16[b][layer][t] - ref).abs().max())
                     where = f"seq {b} position {t} MoE layer {layer}: experts {sorted(got)}, float32 reference {sorted(want)}"
-                    assert gap < factor * noise, f"{where} at a clear margin (gap {gap:.3g}, bf16 router error {noise:.3g})"
-                    self.flips.append(f"{where} (gap {gap:.3g}, bf16 router error {noise:.3g})")
+                    what = f"{where} (gap {gap:.3g}, bf16 router error {noise:.3g})"
+                    assert gap < hard * noise, f"{what}: at a clear margin"
+                    if gap >= factor * noise:
+                        clear.append(what)
+                    self.flips.append(what)
+        assert len(clear) <= 1, f"{len(clear)} routing choices past {factor}x the bf16 router error: {clear}"
 
 
 class Agreement:
