@@ -16,6 +16,9 @@
 #   scripts/gpu-session.sh t8 OUT        one GPU, ~5 min: the pipelined GEMV kernels' tests, then the 27B
 #                                        fp8 / fp8-block / nvfp4 at C = 1, 4, 8 with auto's rule up to 8 columns
 #                                        (the default) against the earlier 4 (GEMV variant pipe4)
+#   scripts/gpu-session.sh c8 OUT        one GPU, ~2 min: where the 27B nvfp4 C = 8 step's excess over C = 1 goes
+#                                        (C8/C1 1.36x against 1.3x): profile_step.py at C = 1 and 8 with dependent
+#                                        launches off (kernel times then add up), side by side
 #   scripts/gpu-session.sh probe OUT     two GPUs, ~5 min: what the eighth session's analysis asks for first: the
 #                                        quantised GEMV at every I-split (ks) on the 27B's main layers, and the
 #                                        lean16 exchange with first-poll delays around half a PCIe round trip
@@ -37,7 +40,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|probe|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|probe|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -113,6 +116,20 @@ case "$PART" in
         --variant pipe4:TANDEM_GEMV_VARIANT=pipe4 --out "$OUT/t8-decode.json" > "$OUT/t8-decode.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/t8-tests.txt" | cut -c1-200 | tail -6
     grep -A20 "^weights variant" "$OUT/t8-decode.txt" | cut -c1-120 ;;
+  c8)
+    for C in 1 8; do
+      TANDEM_PDL=0 timeout 100 python $B/profile_step.py --model 27b --weights nvfp4 --concurrency $C --top 40 \
+          --out "$OUT/profile-c$C.json" > "$OUT/profile-c$C.txt" 2>&1
+    done
+    python - "$OUT/profile-c1.json" "$OUT/profile-c8.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ka, kb = a["kernels"], b["kernels"]
+print(f"kernel time per step: C=1 {a['total_ms']:.2f} ms, C=8 {b['total_ms']:.2f} ms")
+for name in sorted(set(ka) | set(kb), key=lambda n: -(kb.get(n, 0) - ka.get(n, 0)))[:16]:
+    print(f"{kb.get(name, 0) - ka.get(name, 0):+8.3f} ms  {ka.get(name, 0):7.3f} -> {kb.get(name, 0):7.3f}  {name[:70]}")
+PY
+    ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1
