@@ -265,39 +265,6 @@ def moe_kernels_variant() -> str:
     return v
 
 
-def _experts_scratch(x: Tensor, N: int, E: int, A: int, I: int, out: Tensor | None, h: Tensor | None):
-    if out is None:
-        out = torch.empty(N, E, dtype=BF16, device=x.device)
-    if h is None:
-        h = torch.empty(N, A, I, dtype=BF16, device=x.device)
-    check(out, "out", BF16, (N, E))
-    check(h, "h", BF16, (N, A, I))
-    return out, h
-
-
-def _experts_limits(E: int, A: int, I: int, N: int, **aligned: Tensor) -> None:
-    if E % 8 or I % 8:
-        raise KernelError(f"gate_up: E={E} and I={I} must be multiples of 8")
-    for name, t in aligned.items():
-        if not _aligned(t):
-            raise KernelError(f"{name}: data pointer not 16-byte aligned")
-    if E * 2 > SMEM_LIMIT:
-        raise KernelError(f"x: hidden size {E} too large for the decode experts kernel")
-    if A * I * 2 + A * 8 > SMEM_LIMIT:
-        raise KernelError(f"ids: A * I = {A} * {I} too large for the decode experts kernel")
-    if N > 65535 or A > 65535:
-        raise KernelError(f"ids: [{N}, {A}] too large for the decode experts kernel")
-
-
-def _down_combine(out: Tensor, h: Tensor, ids: Tensor, weights: Tensor, down: Tensor, E: int, I: int, X: int,
-                  A: int, dev: int, variant: str) -> None:
-    warps = MOE_THREADS // 32
-    name = "moe_down_combine_u8" if variant == "old" else "moe_down_combine"
-    launch(kernel("moe", name, dev), (_cdiv(E, warps), out.shape[0]), (MOE_THREADS,),
-           (out, h, ids, int(ids.dtype == torch.int64), weights, int(weights.dtype == torch.float32), down,
-            E, I, X, A), shared_mem=A * I * 2 + A * 8, device=dev, pdl=True)
-
-
 def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                        out: Tensor | None = None, h: Tensor | None = None) -> Tensor:
     """Routed experts for a small batch (N <= ~64): x [N, E] bf16, ids [N, A] int32/int64,
@@ -307,21 +274,40 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
     be passed in), then the weighted sum of the down projections in fp32. E % 8 == 0, I % 8 == 0.
     Ids are clamped to [0, X) on the device."""
     N, E, A, X, I = _check_experts(x, ids, weights, gate_up, down)
-    out, h = _experts_scratch(x, N, E, A, I, out, h)
+    if out is None:
+        out = torch.empty(N, E, dtype=BF16, device=x.device)
+    if h is None:
+        h = torch.empty(N, A, I, dtype=BF16, device=x.device)
+    check(out, "out", BF16, (N, E))
+    check(h, "h", BF16, (N, A, I))
     dev = _same_device(x=x, ids=ids, weights=weights, gate_up=gate_up, down=down, out=out, h=h)
     if N == 0 or E == 0:
         return out
     if A == 0 or I == 0:
         out.zero_()
         return out
-    _experts_limits(E, A, I, N, x=x, gate_up=gate_up, down=down, h=h)
-    warps, variant = MOE_THREADS // 32, moe_kernels_variant()
-    if variant == "auto":
-        variant = "early" if N <= MOE_EARLY_MAX_N else "old"
-    launch(kernel("moe", "moe_gate_up_swiglu_late" if variant == "old" else "moe_gate_up_swiglu", dev),
-           (_cdiv(I, warps), A, N), (MOE_THREADS,),
-           (h, x, ids, int(ids.dtype == torch.int64), gate_up, E, I, X, A), shared_mem=E * 2, device=dev, pdl=True)
-    _down_combine(out, h, ids, weights, down, E, I, X, A, dev, variant)
+    if E % 8 or I % 8:
+        raise KernelError(f"gate_up: E={E} and I={I} must be multiples of 8")
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("h", h)):
+        if not _aligned(t):
+            raise KernelError(f"{name}: data pointer not 16-byte aligned")
+    smem_a = E * 2
+    smem_b = A * I * 2 + A * 8
+    if smem_a > SMEM_LIMIT:
+        raise KernelError(f"x: hidden size {E} too large for the decode experts kernel")
+    if smem_b > SMEM_LIMIT:
+        raise KernelError(f"ids: A * I = {A} * {I} too large for the decode experts kernel")
+    if N > 65535 or A > 65535:
+        raise KernelError(f"ids: shape {tuple(ids.shape)} too large for the decode experts kernel")
+    ids64 = int(ids.dtype == torch.int64)
+    variant = moe_kernels_variant()
+    late = "_late" if variant == "old" or (variant == "auto" and N > MOE_EARLY_MAX_N) else ""
+    warps = MOE_THREADS // 32
+    launch(kernel("moe", "moe_gate_up_swiglu" + late, dev), (_cdiv(I, warps), A, N), (MOE_THREADS,),
+           (h, x, ids, ids64, gate_up, E, I, X, A), shared_mem=smem_a, device=dev, pdl=True)
+    launch(kernel("moe", "moe_down_combine" + late, dev), (_cdiv(E, warps), N), (MOE_THREADS,),
+           (out, h, ids, ids64, weights, int(weights.dtype == torch.float32), down, E, I, X, A),
+           shared_mem=smem_b, device=dev, pdl=True)
     return out
 
 

@@ -9,7 +9,7 @@
 // moe_down_combine:    out[n, r] = bf16(sum_a w[n, a] * (down_e[r, :] . h[n, a, :])) in fp32:
 //                      one warp per output row r, its first DOWN_UNROLL loads per lane issued before
 //                      h is staged (they need only the ids), up to 32 * DOWN_UNROLL chunks in flight.
-// moe_gate_up_swiglu_late, moe_down_combine_u8: the same sums in the same order with every load after
+// moe_gate_up_swiglu_late, moe_down_combine_late: the same sums in the same order with every load after
 //                      the staging (the down kernel 8 per lane): fewer registers, more resident blocks.
 //                      kernels/cuda_misc.py takes the early pair for one token, these for more (measured
 //                      on the 35B-A3B, docs/perf.md, twelfth session).
@@ -29,18 +29,24 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
-// One warp routes one token (moe_route_topk; a gate|up kernel that routed its own token this way, one
-// launch fewer, was slower: 3.68 against 3.41 ms per 35B-A3B step at C = 1, 11.27 against 9.31 at
-// C = 8, docs/perf.md, twelfth session):
-// logits at `base` (X columns, bf16 or fp32), softmax in fp32, the top K
-// (ties to the lower id), renormalised; shared: the last column is the shared expert's gate (slot K,
-// expert X - 1, weight bf16(sigmoid)). Returns true on lanes 0 .. K (+1 with shared) - 1, each with its
-// slot's weight (bf16) and expert id; every lane of the warp must call it.
-__device__ __forceinline__ bool moe_topk_warp(const void* logits, int logits_f32, long long base, int X, int K,
-                                              int shared, bf16_t& w_out, int& id_out) {
+// grid (ceil(N / warps per block)), block: a multiple of 32. logits [N, X] (bf16, or fp32 when
+// logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
+// shared: the last logit column is the shared expert's gate, not a router logit: the top K come from
+// the first X - 1 columns, and slot K (weights_out and ids_out are [N, K + 1], K + 1 <= 32) holds the
+// shared expert as expert X - 1 with weight bf16(sigmoid(logit)), as torch.sigmoid rounds it.
+// (Routing inside the gate|up kernel instead, one launch fewer, was slower: every block waited for its
+// warp's top-k; 35B-A3B 3.68 against 3.41 ms at C = 1, 11.27 against 9.31 at C = 8, docs/perf.md.)
+extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
+                                          int N, int X, int K, int shared) {
+    pdl_enter();
+    const int ld = X;                                          // logits per row
+    const int stride = K + (shared ? 1 : 0);                   // outputs per row
     if (shared) --X;
     const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= N) return;                                      // uniform per warp
     const float NEG_INF = moe_neg_inf();
+    const long long base = (long long)row * ld;
     float p[ROUTE_MAXJ];
     float m = NEG_INF;
 #pragma unroll
@@ -95,37 +101,13 @@ __device__ __forceinline__ bool moe_topk_warp(const void* logits, int logits_f32
     }
     const float total = warp_sum(lane < K ? myv : 0.f);
     if (lane < K) {
-        w_out = f32_to_bf16(__fdiv_rn(myv, total));
-        id_out = myi;
-        return true;
-    }
-    if (shared && lane == K) {
+        weights_out[(long long)row * stride + lane] = f32_to_bf16(__fdiv_rn(myv, total));
+        ids_out[(long long)row * stride + lane] = myi;
+    } else if (shared && lane == K) {
         const float g = logits_f32 ? reinterpret_cast<const float*>(logits)[base + X]
                                    : bf16_to_f32(reinterpret_cast<const bf16_t*>(logits)[base + X]);
-        w_out = f32_to_bf16(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-g))));
-        id_out = X;
-        return true;
-    }
-    return false;
-}
-
-// grid (ceil(N / warps per block)), block: a multiple of 32. logits [N, X] (bf16, or fp32 when
-// logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
-// shared: the last logit column is the shared expert's gate, not a router logit: the top K come from
-// the first X - 1 columns, and slot K (weights_out and ids_out are [N, K + 1], K + 1 <= 32) holds the
-// shared expert as expert X - 1 with weight bf16(sigmoid(logit)), as torch.sigmoid rounds it.
-extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
-                                          int N, int X, int K, int shared) {
-    pdl_enter();
-    const int stride = K + (shared ? 1 : 0);                   // outputs per row
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= N) return;                                      // uniform per warp
-    bf16_t w;
-    int id;
-    if (moe_topk_warp(logits, logits_f32, (long long)row * X, X, K, shared, w, id)) {
-        weights_out[(long long)row * stride + lane] = w;
-        ids_out[(long long)row * stride + lane] = id;
+        weights_out[(long long)row * stride + K] = f32_to_bf16(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-g))));
+        ids_out[(long long)row * stride + K] = X;
     }
 }
 
@@ -272,7 +254,7 @@ extern "C" __global__ void moe_down_combine(bf16_t* out, const bf16_t* h, const 
     moe_down_body<DOWN_UNROLL>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A);
 }
 
-extern "C" __global__ void moe_down_combine_u8(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
+extern "C" __global__ void moe_down_combine_late(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
                                                const void* weights, int w_f32, const bf16_t* __restrict__ down,
                                                int E, int I, int X, int A) {
     pdl_enter();
