@@ -11,11 +11,13 @@ together on a thread pool the first time any of them is asked for. ptxas's resou
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +87,16 @@ def parse_ptxas(log: str) -> dict[str, KernelUsage]:
 
 def _compile(src: Path, arch: str, workdir: Path) -> CompileResult:
     out = workdir / f"{src.stem}.{arch}.cubin"
-    proc = subprocess.run(nvcc_command(src, arch, out), capture_output=True, text=True)
+    for attempt in range(3):
+        try:
+            proc = subprocess.run(nvcc_command(src, arch, out), capture_output=True, text=True)
+            break
+        except OSError as e:
+            # starting nvcc failed (seen once on a CI-class machine: EFAULT from exec while many compiles
+            # started at once): not a verdict on the source, so try again
+            if e.errno not in (errno.EFAULT, errno.EAGAIN, errno.ENOMEM) or attempt == 2:
+                raise
+            time.sleep(1.0)
     log = proc.stdout + proc.stderr
     return CompileResult(src, arch, proc.returncode, log, parse_ptxas(log))
 
