@@ -348,9 +348,8 @@ def dequantize(w, out: torch.Tensor | None = None) -> torch.Tensor:
     kind, O, I, data, scale, gscale, sb = _check_weight_any_i16(w)
     out = _out(out, (O, I), data.device)
     _aligned(out, "out", 16)
-    groups = O * (I // 16)
     dev = L.device_of(data)
-    blocks = max(1, min(-(-groups // 256), L.sm_count(dev) * 8))
+    blocks = max(1, min(-(-O // 8), L.sm_count(dev) * 8))    # a warp per row, 8 per block
     L.launch(L.kernel("gemv", "dequant_bf16", dev), (blocks,), (256,),
              (out, data, scale, gscale, O, I, _DEQUANT_KIND[kind], sb), device=dev)
     return out

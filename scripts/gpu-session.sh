@@ -19,6 +19,10 @@
 #   scripts/gpu-session.sh c8 OUT        one GPU, ~2 min: where the 27B nvfp4 C = 8 step's excess over C = 1 goes
 #                                        (C8/C1 1.36x against 1.3x): profile_step.py at C = 1 and 8 with dependent
 #                                        launches off (kernel times then add up), side by side
+#   scripts/gpu-session.sh dequant OUT   one GPU, ~5 min: the dequantisation kernel's tests (bit-exact, the prefill
+#                                        path), its time per 27B layer against the copy floor and the prefill
+#                                        linear against bf16 cuBLAS (linear.py --dequant), and the first tokens of
+#                                        eight 64-token prompts submitted together (27B nvfp4, tp 1)
 #   scripts/gpu-session.sh probe OUT     two GPUs, ~5 min: what the eighth session's analysis asks for first: the
 #                                        quantised GEMV at every I-split (ks) on the 27B's main layers, and the
 #                                        lean16 exchange with first-poll delays around half a PCIe round trip
@@ -40,7 +44,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|probe|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|probe|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -130,6 +134,31 @@ for name in sorted(set(ka) | set(kb), key=lambda n: -(kb.get(n, 0) - ka.get(n, 0
     print(f"{kb.get(name, 0) - ka.get(name, 0):+8.3f} ms  {ka.get(name, 0):7.3f} -> {kb.get(name, 0):7.3f}  {name[:70]}")
 PY
     ;;
+  dequant)
+    timeout 150 scripts/gpu-tests.sh "$OUT/dequant-tests" tests/test_cuda_linear.py -m "gpu and not slow" \
+        -k "dequantize or prefill" --tb=short > "$OUT/dequant-tests.txt" 2>&1
+    timeout 150 python $B/linear.py --dequant --kinds fp8_row fp8_block nvfp4 --columns 449 \
+        --out "$OUT/dequant.json" > "$OUT/dequant.txt" 2>&1
+    timeout 250 python $B/decode_tp.py --model 27b --weights nvfp4 --tp 1 --transport mailbox --concurrency 8 \
+        --new-tokens 16 --out "$OUT/ttft.json" > "$OUT/ttft.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/dequant-tests.txt" | cut -c1-200 | tail -6
+    echo "== dequant"; tail -12 "$OUT/dequant.txt" | cut -c1-150
+    echo "== first tokens (ms after the first submission), 8 x 64-token prompts together"
+    python - "$OUT/ttft.json" <<'PY'
+import json, sys
+def walk(o):
+    if isinstance(o, dict):
+        if isinstance(o.get("requests"), list):
+            yield o["requests"]
+        for v in o.values():
+            yield from walk(v)
+    elif isinstance(o, list):
+        for v in o:
+            yield from walk(v)
+for reqs in walk(json.load(open(sys.argv[1]))):
+    print(" ".join(f"{(r['submitted_s'] + r['ttft_s']) * 1e3:6.0f}" for r in sorted(reqs, key=lambda r: r["submitted_s"] + r["ttft_s"])))
+PY
+    ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1
@@ -146,5 +175,5 @@ PY
         > "$OUT/ncu.txt" 2>&1
     grep -E "^(gate_up|down) |^  gemv_|Duration|DRAM Throughput|One or More Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Waves Per SM" \
         "$OUT/ncu.txt" | cut -c1-150 ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, probe, ncu)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, probe, ncu)" >&2; exit 2 ;;
 esac

@@ -35,11 +35,15 @@ __device__ __forceinline__ float fp8e4m3_to_f32(fp8_t b) {
     return __uint_as_float(s | ((e + 120u) << 23) | (m << 20));
 }
 
-// float4 e2m1 (NVFP4 element): values {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives.
+// float4 e2m1 (NVFP4 element): values {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives, from the
+// bits rather than a table (a per-thread table lands in local memory). The code's sign and 3
+// magnitude bits placed at fp16 bits 15 and 9..11 read as an fp16 of value v * 2^-14 (codes 0 and 1
+// as zero and a subnormal, which the fp16 -> fp32 conversion keeps exact); times 2^14 gives v.
 __device__ __forceinline__ float fp4e2m1_to_f32(unsigned code) {
-    const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    float v = mag[code & 7u];
-    return (code & 8u) ? -v : v;
+    const unsigned short h = (unsigned short)(((code & 8u) << 12) | ((code & 7u) << 9));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f * 16384.f;
 }
 
 __device__ __forceinline__ float silu_f32(float x) { return x / (1.f + __expf(-x)); }

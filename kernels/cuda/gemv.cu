@@ -1062,8 +1062,10 @@ GEMV_PIPE_KERNEL(gemv_fp8blk_pipe, KIND_FP8BLK, PIPE_D_FP8)
 GEMV_PIPE_KERNEL(gemv_nvfp4_pipe, KIND_NVFP4, PIPE_D_NVFP4)
 
 // ------------------------------------------------------------------------------------------------
-// Dequantisation to bf16 [O, I] (prefill path and tests). One thread per 16 elements of a row,
-// grid-stride. Bit-exact with QuantWeight.dequantize: fp32 product(s), one RNE rounding to bf16.
+// Dequantisation to bf16 [O, I] (prefill path and tests). One warp per row (grid-stride over rows),
+// lane l takes the row's 16-element groups l, l + 32, ...: a warp's loads and stores are contiguous
+// and no thread divides a 64-bit index. Bit-exact with QuantWeight.dequantize: fp32 product(s), one
+// RNE rounding to bf16.
 
 __device__ __forceinline__ void store_bf16x16(bf16_t* out, const float* v) {
     unsigned p[8];
@@ -1080,28 +1082,40 @@ extern "C" __global__ void __launch_bounds__(256) dequant_bf16(bf16_t* __restric
                                                                 const float* __restrict__ gscale,
                                                                 int O, int I, int kind, int sb) {
     const int gpr = I / 16;                                           // groups per row
-    const i64_t n = (i64_t)O * gpr;
-    for (i64_t gi = (i64_t)blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += (i64_t)gridDim.x * blockDim.x) {
-        const int row = (int)(gi / gpr), col = (int)(gi % gpr) * 16;
-        float v[16];
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    const float g = kind == 3 ? __ldg(gscale) : 1.f;
+    for (int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < O; row += warps) {
+        bf16_t* orow = out + (i64_t)row * I;
         if (kind == 3) {
-            const uint2 c = __ldg((const uint2*)(w + (i64_t)row * (I / 2) + col / 2));
-            const float s = fp8e4m3_to_f32(__ldg((const u8_t*)scale + gi));
-            const float g = __ldg(gscale);
+            const uint2* wrow = (const uint2*)(w + (i64_t)row * (I / 2));
+            const u8_t* srow = (const u8_t*)scale + (i64_t)row * gpr;
+#pragma unroll 2
+            for (int gi = lane; gi < gpr; gi += 32) {
+                const uint2 c = __ldg(wrow + gi);
+                const float s = fp8e4m3_to_f32(__ldg(srow + gi));
+                float v[16];
 #pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                const unsigned word = k < 8 ? c.x : c.y;
-                const unsigned code = (word >> (4 * (k & 7))) & 0xfu;
-                v[k] = (fp4e2m1_to_f32(code) * s) * g;
+                for (int k = 0; k < 16; ++k) {
+                    const unsigned word = k < 8 ? c.x : c.y;
+                    v[k] = (fp4e2m1_to_f32((word >> (4 * (k & 7))) & 0xfu) * s) * g;
+                }
+                store_bf16x16(orow + gi * 16, v);
             }
         } else {
-            const uint4 c = __ldg((const uint4*)(w + (i64_t)row * I + col));
-            const float s = kind == 1 ? __ldg((const float*)scale + row)
-                                      : __ldg((const float*)scale + (i64_t)(row >> 7) * sb + (col >> 7));
-            const unsigned words[4] = {c.x, c.y, c.z, c.w};
+            const uint4* wrow = (const uint4*)(w + (i64_t)row * I);
+            const float* srow = (const float*)scale + (kind == 1 ? (i64_t)row : (i64_t)(row >> 7) * sb);
+#pragma unroll 2
+            for (int gi = lane; gi < gpr; gi += 32) {
+                const uint4 c = __ldg(wrow + gi);
+                const float s = __ldg(srow + (kind == 1 ? 0 : (gi >> 3)));     // 8 groups per 128 columns
+                const unsigned words[4] = {c.x, c.y, c.z, c.w};
+                float v[16];
 #pragma unroll
-            for (int k = 0; k < 16; ++k) v[k] = fp8e4m3_to_f32((fp8_t)((words[k >> 2] >> (8 * (k & 3))) & 0xffu)) * s;
+                for (int k = 0; k < 16; ++k)
+                    v[k] = fp8e4m3_to_f32((fp8_t)((words[k >> 2] >> (8 * (k & 3))) & 0xffu)) * s;
+                store_bf16x16(orow + gi * 16, v);
+            }
         }
-        store_bf16x16(out + (i64_t)row * I + col, v);
     }
 }

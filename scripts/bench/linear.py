@@ -5,6 +5,7 @@ column count T and weight format, against the bytes each must read at the bandwi
     python scripts/bench/linear.py --out linear.json [--model 27b] [--columns 1 2 4 8 16]
     python scripts/bench/linear.py --variants --out variants.json [--model 27b] [--ks 1 2 4 8]
     python scripts/bench/linear.py --split --out split.json [--model 27b] [--columns 1 4 8]
+    python scripts/bench/linear.py --dequant --out dequant.json [--model 27b] [--columns 449]
     ncu --clock-control none --kernel-name regex:gemv_ python scripts/bench/linear.py --once --layers gate_up down
 
 --layers keeps only the named layers (of SHAPES). --once runs every selected (layer, kind, T) GEMV once,
@@ -27,6 +28,11 @@ names (the rule was read off this table).
 --split times each fused projection group of the model (ranks/model_cuda.py FUSED_PROJECTIONS: q|k|v,
 GDN qkv|z, a|b; a|b in bf16 only, as the model keeps it) as the model runs it, one linear_split launch
 over the fused weight, against its parts as separate linears, both on the production routes.
+
+--dequant times what a prefill chunk pays per quantised layer: the dequantisation kernel alone (bytes
+read and written against the read bandwidth) and the whole prefill linear at each --columns (default
+449: eight 56-token prompts and a decode column, dequantised slabs through cuBLAS) against cuBLAS on
+the bf16 weight.
 """
 
 from __future__ import annotations
@@ -269,6 +275,45 @@ def run_variants(args, cl, bw) -> list[dict]:
     return rows
 
 
+def run_dequant(args, cl, bw) -> list[dict]:
+    """--dequant: the dequantisation kernel per layer and kind, and the prefill linear against bf16 cuBLAS."""
+    rows = []
+    kinds = [k for k in args.kinds if k in QUANT_KINDS]
+    for name, O, I in SHAPES[args.model]:
+        w = (torch.randn(O, I, device="cuda") * I ** -0.5).to(torch.bfloat16)
+        weights = make_weights(w, kinds)
+        scratch = torch.empty(O, I, dtype=torch.bfloat16, device="cuda")
+        for kind in kinds:
+            wk = weights[kind]
+            graph_time(lambda: cl.dequantize(wk, out=scratch), reps=3)          # clocks up, untimed
+            t = graph_time(lambda: cl.dequantize(wk, out=scratch), calls=5)
+            nb = cl.bytes_read(O, I, 1, kind) + 2 * O * I
+            rows.append(dict(layer=name, O=O, I=I, kind=kind, impl="dequant", s=t, bytes=nb, of_bw=nb / t / bw))
+        scratch = None
+        for T in args.columns:
+            x = torch.randn(T, I, device="cuda").to(torch.bfloat16)
+            t = graph_time(lambda: torch.matmul(x, w.t()), calls=5)
+            rows.append(dict(layer=name, O=O, I=I, T=T, kind="bf16", impl="cublas", s=t))
+            for kind in kinds:
+                wk = weights[kind]
+                t = graph_time(lambda: cl.linear(x, wk), calls=5)
+                rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl="linear", s=t))
+        weights = w = None
+        torch.cuda.empty_cache()
+    print(f"{'layer':12s} {'kind':>9s} {'dequant us':>10s} {'of bw':>6s} "
+          + " ".join(f"{'T=' + str(T) + ' us':>10s} {'/bf16':>6s}" for T in args.columns))
+    for name, O, I in SHAPES[args.model]:
+        for kind in kinds:
+            d = next(r for r in rows if r["layer"] == name and r["kind"] == kind and r["impl"] == "dequant")
+            cells = []
+            for T in args.columns:
+                lin = next(r for r in rows if r["layer"] == name and r.get("T") == T and r["kind"] == kind)
+                ref = next(r for r in rows if r["layer"] == name and r.get("T") == T and r["impl"] == "cublas")
+                cells.append(f"{lin['s'] * 1e6:10.1f} {lin['s'] / ref['s']:6.2f}")
+            print(f"{name:12s} {kind:>9s} {d['s'] * 1e6:10.1f} {d['of_bw']:6.0%} " + " ".join(cells))
+    return rows
+
+
 def run_once(args, cl) -> list[dict]:
     """--once: one eager launch of every selected (layer, kind, T), for a profiler; no timing."""
     rows = []
@@ -306,6 +351,9 @@ def main(argv=None) -> int:
     ap.add_argument("--split", action="store_true",
                     help="time the fused projection groups (q|k|v, GDN qkv|z, a|b) as one linear_split launch "
                          "against their parts as separate linears, on the production routes")
+    ap.add_argument("--dequant", action="store_true",
+                    help="time the dequantisation kernel per layer and the prefill linear (--columns, default "
+                         "449) against bf16 cuBLAS")
     ap.add_argument("--layers", nargs="+", default=None, help="only these layers of the model's SHAPES")
     ap.add_argument("--once", action="store_true",
                     help="run every selected GEMV once, untimed (for a profiler such as ncu)")
@@ -321,14 +369,16 @@ def main(argv=None) -> int:
         ap.error("--once runs the production route only: no --split, --variants or --ks")
     if args.split and args.variants:
         ap.error("--split and --variants are separate tables: choose one")
+    if args.dequant and (args.split or args.variants or args.ks or args.once):
+        ap.error("--dequant is its own table: no --split, --variants, --ks or --once")
     if args.columns is None:
-        args.columns = [1, 2, 4, 8] if args.variants else [1, 2, 4, 8, 16]
+        args.columns = [449] if args.dequant else [1, 2, 4, 8] if args.variants else [1, 2, 4, 8, 16]
     from kernels import cuda_linear as cl
     # This script times the kernels: the bf16 GEMV at every T asked for, also where the production
     # table sends bf16 to cuBLAS (route() has no GEMV kernel to name beyond GEMV_COLUMNS["bf16"]).
     if not args.split:
         cl.GEMV_COLUMNS = dict(cl.GEMV_COLUMNS, bf16=cl.MAX_GEMV_COLUMNS)
-    if max(args.columns) > cl.MAX_GEMV_COLUMNS and "bf16" in args.kinds and not args.split:
+    if max(args.columns) > cl.MAX_GEMV_COLUMNS and "bf16" in args.kinds and not (args.split or args.dequant):
         ap.error(f"the bf16 GEMV takes at most {cl.MAX_GEMV_COLUMNS} columns")
     if args.once:
         run_once(args, cl)
@@ -337,12 +387,13 @@ def main(argv=None) -> int:
     from decode import measure_bandwidth
     bw = args.bandwidth or measure_bandwidth()["read_Bps"]
     print(f"read bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
-    rows = (run_split if args.split else run_variants if args.variants else run_table)(args, cl, bw)
+    run = run_dequant if args.dequant else run_split if args.split else run_variants if args.variants else run_table
+    rows = run(args, cl, bw)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, rows=rows, device=torch.cuda.get_device_name(), model=args.model,
                            columns=args.columns, kinds=args.kinds, variants=args.variants, split=args.split,
-                           ks=args.ks), f, indent=1)
+                           dequant=args.dequant, ks=args.ks), f, indent=1)
     return 0
 
 
