@@ -47,6 +47,11 @@ MAX_GEMV_COLUMNS = 16                  # columns per launch of the CUDA-core GEM
 # cuBLAS for bf16 only at T <= 2 (it is FMA-bound beyond); a dequantised copy of a quantised weight
 # costs ~5x its bytes per step, so quantised weights stay on the (tensor-core) GEMV up to 64 columns.
 GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
+# A small bf16 weight (at most this many elements: the GDN a|b projections a quantised model keeps in
+# bf16, 96 x 5120 on the 27B) stays on the GEMV up to MAX_GEMV_COLUMNS: its few FMAs cost less than
+# cuBLAS's split-K launch pair (27B nvfp4 C = 8 step, docs/perf.md thirteenth session: a|b on cuBLAS
+# 0.58 ms per step, ~12 us a layer).
+SMALL_BF16_ELEMS = 1 << 21
 WARPS = 8
 ROWS_PER_WARP = 2
 _NT_BUCKETS = (1, 2, 4, 8, 16)
@@ -147,7 +152,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         variant = gemv_variant()
     elif variant not in VARIANTS:
         raise L.KernelError(f"route: unknown GEMV variant {variant!r}")
-    if not _on_gemv(kind, I, T, variant):
+    if not _on_gemv(kind, I, T, variant, O):
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
@@ -404,7 +409,7 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
     O, I = _shape(w)
     dev = w.data.device if isinstance(w, QuantWeight) else w.device
     T = _check_x(x, I, dev)
-    on_gemv = _on_gemv(_kind_of(w), I, T)
+    on_gemv = _on_gemv(_kind_of(w), I, T, O=O)
     if out is None and residual is None and not on_gemv:
         return _prefill(x, w)                          # cuBLAS's own output: no copy
     out = _out(out, (T, O), dev)
@@ -434,7 +439,7 @@ def linear_split(x: torch.Tensor, w, sizes, outs: list | None = None) -> list[to
     if len(outs) != len(sizes):
         raise L.KernelError(f"linear_split: {len(outs)} outputs for {len(sizes)} parts")
     outs = [_out(o, (T, n), dev, f"outs[{i}]") for i, (o, n) in enumerate(zip(outs, sizes))]
-    if len(sizes) > 1 and _on_gemv(_kind_of(w), I, T):
+    if len(sizes) > 1 and _on_gemv(_kind_of(w), I, T, O=O):
         _gemv(x, w, outs[0], None, swiglu=False, parts=outs)
         return outs
     a = 0
@@ -453,11 +458,13 @@ def weight_rows(w, a: int, b: int):
     return w[a:b]
 
 
-def _on_gemv(kind: str, I: int, T: int, variant: str | None = None) -> bool:
-    """Whether a launch of T columns goes to the GEMV kernels (else cuBLAS): up to GEMV_COLUMNS[kind],
-    and bf16 up to 8 columns under the pipelined variant (gemv_bf16_pipe); variant None: the
-    environment's."""
+def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | None = None) -> bool:
+    """Whether a launch of T columns goes to the GEMV kernels (else cuBLAS): up to GEMV_COLUMNS[kind];
+    a bf16 weight of at most SMALL_BF16_ELEMS elements (O given) up to MAX_GEMV_COLUMNS; and bf16 up
+    to 8 columns under the pipelined variant (gemv_bf16_pipe); variant None: the environment's."""
     if T <= GEMV_COLUMNS[kind]:
+        return True
+    if kind == "bf16" and O is not None and O * I <= SMALL_BF16_ELEMS and T <= MAX_GEMV_COLUMNS:
         return True
     return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
 
@@ -481,6 +488,6 @@ def linear_swiglu(x: torch.Tensor, w_gate_up, out: torch.Tensor | None = None) -
     dev = w_gate_up.data.device if isinstance(w_gate_up, QuantWeight) else w_gate_up.device
     T = _check_x(x, I, dev)
     out = _out(out, (T, Fh), dev)
-    if _on_gemv(_kind_of(w_gate_up), I, T):
+    if _on_gemv(_kind_of(w_gate_up), I, T, O=O):
         return _gemv(x, w_gate_up, out, None, swiglu=True)
     return cuda_misc.swiglu(_prefill(x, w_gate_up).contiguous(), out=out)

@@ -150,12 +150,15 @@ def test_swiglu(kind, O, I, T, seed, variant):
 
 @pytest.mark.parametrize("T", (3, 8, 16))
 def test_routes_to_cublas(T, seed, monkeypatch):
-    """With the production route table, bf16 beyond GEMV_COLUMNS goes through cuBLAS: same results."""
+    """With the production route table, bf16 beyond GEMV_COLUMNS goes through cuBLAS, a small bf16
+    weight (the GDN a|b) stays on the GEMV: same results."""
     from kernels import cuda_linear
     monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=2))
     assert cuda_linear.route(5120, 6144, T, "bf16", 132)["path"] == "dequant_matmul"
     _run_linear("bf16", 5120, 6144, T, seed)
     _run_linear("bf16", 5120, 6144, T, seed + 1, residual=True)
+    assert cuda_linear.route(96, 5120, T, "bf16", 132)["path"] == "gemv"
+    _run_linear("bf16", 96, 5120, T, seed + 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

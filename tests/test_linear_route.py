@@ -45,15 +45,30 @@ def test_bf16_beyond_two_columns_goes_to_cublas():
     assert cl.route(5120, 5120, 3, "bf16", SM)["path"] == "dequant_matmul"
 
 
+def test_small_bf16_weight_stays_on_the_gemv_up_to_16_columns():
+    """The GDN a|b projections a quantised model keeps in bf16 (96 x 5120 on the 27B, 64 x 2048 on the
+    35B-A3B): the GEMV up to MAX_GEMV_COLUMNS, cuBLAS beyond; a weight one row past the limit as before."""
+    for O, I in ((96, 5120), (64, 2048), (cl.SMALL_BF16_ELEMS // 5120, 5120)):
+        for T in range(1, cl.MAX_GEMV_COLUMNS + 1):
+            r = cl.route(O, I, T, "bf16", SM, variant="auto")
+            assert r["path"] == "gemv" and r["kernel"] == f"gemv_bf16_t{next(b for b in (1, 2, 4, 8, 16) if b >= T)}"
+        assert cl.route(O, I, cl.MAX_GEMV_COLUMNS + 1, "bf16", SM)["path"] == "dequant_matmul"
+    big = cl.SMALL_BF16_ELEMS // 5120 + 1
+    assert cl.route(big, 5120, 3, "bf16", SM, variant="auto")["path"] == "dequant_matmul"
+    assert cl._on_gemv("bf16", 5120, 3) is False          # no O given: the column rule alone
+
+
 def test_every_routed_kernel_exists_in_the_source():
     src = (cl.L.CUDA_DIR / "gemv.cu").read_text()
     for variant in cl.VARIANTS:
         for kind in ("bf16", "fp8_row", "fp8_block", "nvfp4"):
             for I in (5120, 1040, 1056):
-                for T in range(1, cl.GEMV_COLUMNS[kind] + 1):
+                for T in range(1, max(cl.GEMV_COLUMNS[kind], cl.MAX_GEMV_COLUMNS) + 1):
                     for O in (48, 5120):
                         for swiglu in (False, True):
                             r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)
+                            if r["path"] == "dequant_matmul":      # bf16 past its columns: cuBLAS
+                                continue
                             assert f" {r['kernel']}(" in src or f"({r['kernel']}," in src, r["kernel"]
 
 
@@ -87,7 +102,8 @@ def test_pipelined_variant_takes_bf16_launches_of_up_to_8_columns():
                 tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
                 assert r["units"] == tiles and r["grid"][0] * (8 // r["ks"]) >= tiles
                 assert r["ks"] <= max(1, -(-(I // 8) // 4))
-        assert cl.route(O, I, 9, "bf16", SM, variant="pipelined")["path"] == "dequant_matmul"
+        beyond = cl.route(O, I, 9, "bf16", SM, variant="pipelined")
+        assert beyond["path"] == ("gemv" if O * I <= cl.SMALL_BF16_ELEMS else "dequant_matmul"), (O, I, beyond)
     for T in (1, 2):
         assert cl.route(5120, 5120, T, "bf16", SM)["kernel"] == f"gemv_bf16_t{T}"
     assert cl.route(5120, 5120, 3, "bf16", SM)["path"] == "dequant_matmul"

@@ -50,9 +50,9 @@ import torch  # noqa: E402
 
 SHAPES = {
     "27b": [("q_proj", 12288, 5120), ("kv_proj", 1024, 5120), ("o_proj", 5120, 6144), ("in_proj_qkv", 10240, 5120),
-            ("in_proj_z", 6144, 5120), ("gate_up", 34816, 5120), ("down", 5120, 17408), ("lm_head", 248320, 5120)],
+            ("in_proj_z", 6144, 5120), ("gate_up", 34816, 5120), ("down", 5120, 17408), ("lm_head", 248320, 5120), ("a_b", 96, 5120)],
     "35b-a3b": [("q_proj", 8192, 2048), ("o_proj", 2048, 4096), ("in_proj_qkv", 8192, 2048),
-                ("shared_gate_up", 1024, 2048), ("lm_head", 248320, 2048)],
+                ("shared_gate_up", 1024, 2048), ("lm_head", 248320, 2048), ("a_b", 64, 2048)],
 }
 QUANT_KINDS = ("fp8_row", "fp8_block", "nvfp4")
 

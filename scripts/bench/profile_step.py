@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """Where the time of one step goes: CUDA kernel time per kernel name (torch.profiler / CUPTI) for a
-decode step of C sequences, or a prefill chunk, of a random full-width model on one GPU.
+decode step of C sequences, or a prefill step of C prompts, of a random full-width model on one GPU.
 
     python scripts/bench/profile_step.py --model 27b [--layers 16] [--concurrency 1] [--prefill 2048]
         [--spec-round K] [--out profile.json]
+
+--prefill L profiles one step that prefills C (--concurrency) prompts of L tokens together (the
+scheduler's step when prompts arrive at once). Every profile also reports the step's wall time
+(eager, synchronised; host work included) beside its kernel time: a gap between them is host time.
 
 --spec-round K profiles a greedy speculation round on the GPU (ranks/spec_cuda.py: verification of
 K+1 columns, acceptance, commit, K MTP drafting steps) instead of the decode step, and also times
@@ -68,10 +72,10 @@ def main(argv=None) -> int:
     if args.prefill:
         L = args.prefill
         pages = (L + PAGE_SIZE - 1) // PAGE_SIZE + 1
-        state = ModelState(spec, 1, pages, torch.bfloat16, "cuda")
-        ids = torch.randint(0, spec.vocab_size, (L,))
-        batch = Batch(ids, [L], [0], [0], torch.arange(pages, dtype=torch.int32).view(1, pages))
-        what = f"prefill chunk of {L} tokens"
+        state = ModelState(spec, C, C * pages, torch.bfloat16, "cuda")
+        ids = torch.randint(0, spec.vocab_size, (C * L,))
+        batch = Batch(ids, [L] * C, [0] * C, list(range(C)), torch.arange(C * pages, dtype=torch.int32).view(C, pages))
+        what = f"prefill of {C} prompt(s) of {L} tokens" if C > 1 else f"prefill chunk of {L} tokens"
     else:
         per = (args.context + 2 + PAGE_SIZE - 1) // PAGE_SIZE
         state = ModelState(spec, C, C * per, torch.bfloat16, "cuda")
@@ -84,12 +88,20 @@ def main(argv=None) -> int:
         fn = lambda: model.forward(batch, state)          # noqa: E731
     times = profile(fn, args.reps)
     total = sum(times.values())
-    print(f"{args.model} ({spec.num_layers} layers, {args.weights}), {what}: {total:.3f} ms of kernel time per step")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.reps):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.reps * 1e3
+    print(f"{args.model} ({spec.num_layers} layers, {args.weights}), {what}: {total:.3f} ms of kernel time per step, "
+          f"{wall:.3f} ms wall")
     for name, t in list(times.items())[:args.top]:
         print(f"{t:9.3f} ms {t / total:6.1%}  {name}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model=args.model, layers=spec.num_layers, what=what, total_ms=total, kernels=times), f,
+            json.dump(dict(model=args.model, layers=spec.num_layers, what=what, total_ms=total, wall_ms=wall,
+                           kernels=times), f,
                       indent=1)
     return 0
 
