@@ -297,20 +297,34 @@ def run_dequant(args, cl, bw) -> list[dict]:
             for kind in kinds:
                 wk = weights[kind]
                 t = graph_time(lambda: cl.linear(x, wk), calls=5)
-                rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl="linear", s=t))
+                rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl="linear", s=t,
+                                 path=cl.route(O, I, T, kind, cl.L.sm_count())["path"]))
+                t = graph_time(lambda: cl._prefill(x, wk), calls=5)
+                rows.append(dict(layer=name, O=O, I=I, T=T, kind=kind, impl="prefill", s=t))
         weights = w = None
         torch.cuda.empty_cache()
+    print("per T: the production route (g: GEMV, d: dequantise + cuBLAS) and the dequantise + cuBLAS path, "
+          "us, each / cuBLAS on the bf16 weight")
     print(f"{'layer':12s} {'kind':>9s} {'dequant us':>10s} {'of bw':>6s} "
-          + " ".join(f"{'T=' + str(T) + ' us':>10s} {'/bf16':>6s}" for T in args.columns))
+          + " ".join(f"{'T=' + str(T):>8s} {'route':>13s} {'dequant+mm':>13s}" for T in args.columns))
     for name, O, I in SHAPES[args.model]:
         for kind in kinds:
             d = next(r for r in rows if r["layer"] == name and r["kind"] == kind and r["impl"] == "dequant")
             cells = []
             for T in args.columns:
-                lin = next(r for r in rows if r["layer"] == name and r.get("T") == T and r["kind"] == kind)
-                ref = next(r for r in rows if r["layer"] == name and r.get("T") == T and r["impl"] == "cublas")
-                cells.append(f"{lin['s'] * 1e6:10.1f} {lin['s'] / ref['s']:6.2f}")
+                pick = {r["impl"]: r for r in rows if r["layer"] == name and r.get("T") == T
+                        and r["kind"] in (kind, "bf16")}
+                lin, pre, ref = pick["linear"], pick["prefill"], pick["cublas"]
+                cells.append(f"{'':8s} {lin['path'][0]} {lin['s'] * 1e6:7.1f} {lin['s'] / ref['s']:4.2f} "
+                             f"{pre['s'] * 1e6:8.1f} {pre['s'] / ref['s']:4.2f}")
             print(f"{name:12s} {kind:>9s} {d['s'] * 1e6:10.1f} {d['of_bw']:6.0%} " + " ".join(cells))
+    print("whole model (each layer once; lm_head included):")
+    for kind in kinds:
+        for T in args.columns:
+            tot = {impl: sum(r["s"] for r in rows if r.get("T") == T and r["impl"] == impl
+                             and r["kind"] == ("bf16" if impl == "cublas" else kind)) for impl in ("linear", "prefill", "cublas")}
+            print(f"  {kind:>9s} T={T:3d}: route {tot['linear'] * 1e3:7.2f} ms, dequant+mm {tot['prefill'] * 1e3:7.2f} ms, "
+                  f"bf16 cuBLAS {tot['cublas'] * 1e3:7.2f} ms")
     return rows
 
 

@@ -7,7 +7,8 @@ decode step of C sequences, or a prefill step of C prompts, of a random full-wid
 
 --prefill L profiles one step that prefills C (--concurrency) prompts of L tokens together (the
 scheduler's step when prompts arrive at once). Every profile also reports the step's wall time
-(eager, synchronised; host work included) beside its kernel time: a gap between them is host time.
+(eager, synchronised; host work included) beside its kernel time: a gap between them is host time;
+--cprofile N then prints the N functions with the most cumulative host time over the timed steps.
 
 --spec-round K profiles a greedy speculation round on the GPU (ranks/spec_cuda.py: verification of
 K+1 columns, acceptance, commit, K MTP drafting steps) instead of the decode step, and also times
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
                     help="profile a GPU speculation round with K drafts per sequence instead")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also print the N functions with the most cumulative host time (cProfile) of the steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from ranks.model_cuda import CudaHybridModel
@@ -96,6 +99,16 @@ def main(argv=None) -> int:
     wall = (time.perf_counter() - t0) / args.reps * 1e3
     print(f"{args.model} ({spec.num_layers} layers, {args.weights}), {what}: {total:.3f} ms of kernel time per step, "
           f"{wall:.3f} ms wall")
+    if args.cprofile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.reps):
+            fn()
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(args.cprofile)
     for name, t in list(times.items())[:args.top]:
         print(f"{t:9.3f} ms {t / total:6.1%}  {name}")
     if args.out:
