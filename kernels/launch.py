@@ -9,7 +9,9 @@ work and are recorded when torch captures a CUDA graph.
     launch(fn, grid, block, (out, x, weight, np.int32(E), np.float32(eps)), shared_mem=0)
 
 Arguments: a torch.Tensor becomes its data pointer; a Python int becomes int32 and a float float32
-(wrap in numpy scalars for other widths); numpy scalars pass through.
+(wrap in numpy scalars for other widths); numpy scalars pass through. Launches go through the
+driver's cuLaunchKernelEx with the arguments packed straight into one ctypes structure (pack_args),
+or, with TANDEM_DIRECT_LAUNCH=0 (a comparison switch), through CuPy's kernel call.
 
 Programmatic dependent launch (`launch(..., pdl=True)`, sm_90 and newer): the kernel is launched with
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION through the driver's cuLaunchKernelEx, so its
@@ -121,34 +123,73 @@ def _arg(a):
     return a
 
 
+def _dim3(d) -> tuple[int, int, int]:
+    d = d if isinstance(d, tuple) else (d,)
+    return (tuple(int(v) for v in d) + (1, 1))[:3]
+
+
 def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None, pdl: bool = False) -> None:
     """Launch on torch's current stream of `device` (default: the current device). pdl: a programmatic
-    dependent launch where the device supports it (the kernel must call pdl_wait(); module docstring)."""
+    dependent launch where the device supports it (the kernel must call pdl_wait(); module docstring).
+
+    Launches go through the driver's cuLaunchKernelEx with the arguments packed straight from the
+    Python values (direct_launch_enabled(); a dependent launch adds its attribute), else through
+    CuPy's kernel call. The direct route costs a fraction of the host time per launch, which a long
+    (prefill) step, launched eagerly, is bound by (docs/perf.md, thirteenth session)."""
     if device is None:
         device = torch.cuda.current_device()
-    grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
-    block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
-    if min(grid) <= 0:
+    grid3, block3 = _dim3(grid), _dim3(block)
+    if min(grid3) <= 0:
         return
-    if pdl and not is_pdl_kernel(getattr(fn, "name", "")):
-        raise KernelError(f"{getattr(fn, 'name', fn)!r} is not a registered dependent kernel (PDL_KERNELS): "
-                          "it must call pdl_wait() before touching what earlier kernels wrote")
+    name = getattr(fn, "name", "")
+    dependent = False
+    if pdl:
+        if not is_pdl_kernel(name):
+            raise KernelError(f"{name or fn!r} is not a registered dependent kernel (PDL_KERNELS): "
+                              "it must call pdl_wait() before touching what earlier kernels wrote")
+        dependent = pdl_enabled(device) and pdl_scope_allows(name)
     import cupy
-    if pdl and pdl_enabled(device) and pdl_scope_allows(getattr(fn, "name", "")):
-        grid3, block3 = (grid + (1, 1))[:3], (block + (1, 1))[:3]
-        with cupy.cuda.Device(device):
-            func = fn.kernel if hasattr(fn, "kernel") else fn          # RawKernel -> its Function on `device`
+    if dependent or direct_launch_enabled():
+        if cupy.cuda.runtime.getDevice() != device:
+            with cupy.cuda.Device(device):
+                return launch(fn, grid3, block3, args, shared_mem, device, pdl)
+        func = fn.kernel if hasattr(fn, "kernel") else fn              # RawKernel -> its Function on `device`
+        params, _vals = pack_args(args)
+        stream = _current_stream(device)
+        if dependent:
             try:
-                _launch_ex(func.ptr, grid3, block3, shared_mem, torch.cuda.current_stream(device).cuda_stream,
-                           [_arg(a) for a in args])
+                _launch_ex(func.ptr, grid3, block3, shared_mem, stream, params, attrs=True)
                 return
             except KernelError as e:                   # a driver that refuses the attribute: ordinary launches
                 _PDL_REFUSED.add(device)
                 log.warning("device %d: programmatic dependent launch refused (%s); launching kernels the "
                             "ordinary way from now on", device, e)
+        if direct_launch_enabled():
+            _launch_ex(func.ptr, grid3, block3, shared_mem, stream, params, attrs=False)
+            return
     stream = _stream(torch.cuda.current_stream(device).cuda_stream, device)
     with cupy.cuda.Device(device), stream:
-        fn(grid, block, tuple(_arg(a) for a in args), shared_mem=shared_mem)
+        fn(grid3, block3, tuple(_arg(a) for a in args), shared_mem=shared_mem)
+
+
+def _current_stream(device: int) -> int:
+    """torch's current stream of `device` as a raw handle (one C call where torch has it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+@functools.lru_cache(maxsize=None)
+def direct_launch_enabled() -> bool:
+    """Whether ordinary launches go through cuLaunchKernelEx too (TANDEM_DIRECT_LAUNCH, default on;
+    off: CuPy's kernel call, the earlier route, for comparisons); needs a driver with cuLaunchKernelEx
+    (CUDA 12.0+). Read once per process."""
+    if not env_flag("TANDEM_DIRECT_LAUNCH", True):
+        return False
+    try:
+        _driver()
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 # Kernels that may be launched with pdl=True: each calls pdl_wait() before it reads anything an earlier
@@ -183,9 +224,10 @@ def pdl_scope_allows(name: str) -> bool:
 
 
 def pdl_reset() -> None:
-    """Re-read TANDEM_PDL (benchmarks that compare settings in one process)."""
+    """Re-read TANDEM_PDL and TANDEM_DIRECT_LAUNCH (benchmarks that compare settings in one process)."""
     _pdl_capable.cache_clear()
     _pdl_all.cache_clear()
+    direct_launch_enabled.cache_clear()
 
 
 def is_pdl_kernel(name: str) -> bool:
@@ -232,6 +274,45 @@ def kernel_params(args) -> tuple[ctypes.Array, ctypes.Structure]:
     return ptrs, vals
 
 
+_U64, _I32, _F32 = np.dtype(np.uint64), np.dtype(np.int32), np.dtype(np.float32)
+
+
+def pack_args(args):
+    """kernelParams straight from launch()'s arguments (the conversions of _arg without numpy
+    scalars in between): a tensor is its data pointer (u64), None a null pointer, a bool or int an
+    int32 (range-checked), a float a float32, a numpy scalar its own type. Returns (pointers, values)
+    like kernel_params; the caller keeps both alive until the launch call returns."""
+    dtypes, vals = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dtypes.append(_U64)
+            vals.append(a.data_ptr())
+        elif isinstance(a, bool):
+            dtypes.append(_I32)
+            vals.append(int(a))
+        elif isinstance(a, int):
+            if not -0x80000000 <= a <= 0x7FFFFFFF:
+                raise KernelError(f"kernel argument {a}: out of int32 range (pass a numpy int64 for wider values)")
+            dtypes.append(_I32)
+            vals.append(a)
+        elif isinstance(a, float):
+            dtypes.append(_F32)
+            vals.append(a)
+        elif a is None:
+            dtypes.append(_U64)
+            vals.append(0)
+        elif isinstance(a, np.generic) and a.dtype in _CTYPE:
+            dtypes.append(a.dtype)
+            vals.append(a.item())
+        else:
+            raise KernelError(f"kernel argument {a!r}: expected a tensor, None, bool, int, float or a numpy "
+                              "scalar of a fixed width")
+    struct, offsets = _param_layout(tuple(dtypes))
+    v = struct(*vals)
+    base = ctypes.addressof(v)
+    return (ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets]), v
+
+
 @functools.lru_cache(maxsize=256)
 def _param_layout(dtypes: tuple) -> tuple[type, tuple[int, ...]]:
     """A ctypes structure type with one field per argument dtype, and the fields' offsets (a launch
@@ -264,10 +345,14 @@ def _driver():
     return lib, fn, pdl_attributes()
 
 
-def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, args) -> None:
-    lib, launch_ex, attrs = _driver()
-    params, _vals = kernel_params(args)
-    cfg = launch_config(grid, block, shared_mem, stream, attrs)
+def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, params, attrs: bool) -> None:
+    """cuLaunchKernelEx of `func` with kernelParams `params` (pack_args or kernel_params); attrs: with
+    the programmatic-serialisation attribute (a dependent launch), else none (an ordinary launch)."""
+    lib, launch_ex, pdl_attrs = _driver()
+    cfg = LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream))
+    if attrs:
+        cfg.attrs = pdl_attrs
+        cfg.numAttrs = 1
     rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
     if rc != 0:
         msg = ctypes.c_char_p()
@@ -320,7 +405,7 @@ def check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple[torch.dtype, ..
     """Validate a kernel argument: CUDA, contiguous, dtype and shape (None entries match anything)."""
     if not isinstance(t, torch.Tensor):
         raise KernelError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         raise KernelError(f"{name}: expected a CUDA tensor, got one on {t.device}")
     if not t.is_contiguous():
         raise KernelError(f"{name}: must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")

@@ -51,3 +51,58 @@ def test_dependent_launch_overlaps_on_sm90(graph):
         pytest.skip("programmatic dependent launch needs sm_90")
     assert L.pdl_enabled()
     assert _probe(True, graph) == [1, 1]
+
+
+def _norm(x, w, graph: bool):
+    from kernels import cuda_misc
+    out = torch.full_like(x, float("nan"))
+    if graph:
+        cg, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(cg, stream=s):
+            cuda_misc.rms_norm(x, w, 1e-6, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        cg.replay()
+    else:
+        cuda_misc.rms_norm(x, w, 1e-6, out=out)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("graph", (False, True), ids=("eager", "graph"))
+def test_both_launch_routes_give_the_same_bits(graph, monkeypatch):
+    """An ordinary launch through cuLaunchKernelEx (pack_args) and through CuPy's kernel call run the
+    same kernel on the same arguments (tensors, an int, a float): bit-identical outputs, near the
+    float32 reference, eagerly and captured in a graph, on every GPU (up to two: a launch for a device
+    other than the current one switches to it)."""
+    from kernels import reference
+    for dev in range(min(2, torch.cuda.device_count())):
+        g = torch.Generator(device=f"cuda:{dev}").manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+        x = torch.randn(37, 5120, device=f"cuda:{dev}", generator=g).to(torch.bfloat16)
+        w = torch.randn(5120, device=f"cuda:{dev}", generator=g).to(torch.bfloat16)
+        got = {}
+        try:
+            for direct in (True, False):
+                monkeypatch.setenv("TANDEM_DIRECT_LAUNCH", "1" if direct else "0")
+                L.pdl_reset()
+                assert L.direct_launch_enabled() is direct
+                with torch.cuda.device(dev if graph else 0):          # eager: launched from device 0's context
+                    got[direct] = _norm(x, w, graph)
+        finally:
+            monkeypatch.delenv("TANDEM_DIRECT_LAUNCH")
+            L.pdl_reset()
+        assert not torch.isnan(got[True]).any()
+        assert torch.equal(got[True].view(torch.int16), got[False].view(torch.int16))
+        want = reference.rms_norm(x.float(), w.float(), 1e-6)
+        assert torch.allclose(got[True].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_bad_direct_launch_names_the_driver_call():
+    d = torch.cuda.current_device()
+    fn = L.kernel("bench", "pdl_probe_secondary", d)
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    result = torch.zeros(2, dtype=torch.int32, device="cuda")
+    if not L.direct_launch_enabled():
+        pytest.skip("the driver has no cuLaunchKernelEx")
+    with pytest.raises(L.KernelError, match="cuLaunchKernelEx failed"):
+        L.launch(fn, (1,), (4096,), (flag, result), device=d)          # more threads than a block may have

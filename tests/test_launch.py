@@ -68,6 +68,37 @@ def test_kernel_params_take_launch_arguments():
     assert ctypes.cast(params[4], ctypes.POINTER(ctypes.c_int64)).contents.value == 5
 
 
+def test_pack_args_match_kernel_params_of_the_converted_arguments():
+    """pack_args (the direct launch's packing) lays out the same values as kernel_params of _arg's
+    numpy scalars (the earlier route): fresh random mixes of every argument kind."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    t = torch.empty(int(rng.integers(1, 64)))
+    pool = [lambda: t, lambda: None, lambda: bool(rng.integers(0, 2)), lambda: int(rng.integers(-2**31, 2**31)),
+            lambda: float(rng.standard_normal()), lambda: np.int64(rng.integers(-2**62, 2**62)),
+            lambda: np.uint64(rng.integers(1, 2**63)), lambda: np.float32(rng.standard_normal()),
+            lambda: np.int16(rng.integers(-2**15, 2**15)), lambda: np.float64(rng.standard_normal())]
+    for _ in range(50):
+        args = [pool[int(i)]() for i in rng.integers(0, len(pool), size=int(rng.integers(1, 24)))]
+        p1, v1 = L.pack_args(args)
+        p2, v2 = L.kernel_params([L._arg(a) for a in args])
+        assert ctypes.sizeof(v1) == ctypes.sizeof(v2)
+        assert ctypes.string_at(ctypes.addressof(v1), ctypes.sizeof(v1)) == \
+            ctypes.string_at(ctypes.addressof(v2), ctypes.sizeof(v2))
+        assert [p - ctypes.addressof(v1) for p in p1] == [p - ctypes.addressof(v2) for p in p2]
+
+
+def test_pack_args_refuse_what_a_kernel_cannot_take():
+    with pytest.raises(L.KernelError, match="int32 range"):
+        L.pack_args([2**31])
+    with pytest.raises(L.KernelError, match="int32 range"):
+        L.pack_args([-2**31 - 1])
+    with pytest.raises(L.KernelError, match="numpy"):
+        L.pack_args([object()])
+    with pytest.raises(L.KernelError, match="numpy"):
+        L.pack_args([np.complex64(1)])
+
+
 def test_kernel_params_refuse_unsized_values():
     with pytest.raises(L.KernelError, match="numpy scalar"):
         L.kernel_params([object()])
