@@ -337,9 +337,11 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
     for a in range(0, T, step):                       # columns in launches of up to `step`
         b = min(T, a + step)
         r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant)
-        ys = [e[a:b] for e in extra] + [None] * (3 - len(extra))
+        whole = a == 0 and b == T                     # one launch: no views to make (host time, eager steps)
+        ys = (extra if whole else [e[a:b] for e in extra]) + [None] * (3 - len(extra))
+        res = residual if residual is None or whole else residual[a:b]
         L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
-                 (out[a:b], x[a:b], data, scale, gscale, None if residual is None else residual[a:b],
+                 (out if whole else out[a:b], x if whole else x[a:b], data, scale, gscale, res,
                   O, I, b - a, r["ks"], mode, Fh, sb, *ys, *bounds),
                  device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)
     return out

@@ -422,6 +422,11 @@ def check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple[torch.dtype, ..
 def sm_count(device: int | None = None) -> int:
     if device is None:
         device = torch.cuda.current_device()
+    return _sm_count(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -7,7 +7,8 @@ decode step of C sequences, or a prefill step of C prompts, of a random full-wid
 
 --prefill L profiles one step that prefills C (--concurrency) prompts of L tokens together (the
 scheduler's step when prompts arrive at once). Every profile also reports the step's wall time
-(eager, synchronised; host work included) beside its kernel time: a gap between them is host time;
+(eager, back to back, synchronised at the end) and the host time to issue one step (from an idle GPU)
+beside its kernel time: a step whose issue time exceeds its kernel time is host-bound;
 --cprofile N then prints the N functions with the most cumulative host time over the timed steps.
 
 --spec-round K profiles a greedy speculation round on the GPU (ranks/spec_cuda.py: verification of
@@ -97,8 +98,16 @@ def main(argv=None) -> int:
         fn()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.reps * 1e3
+    issue = []                            # host time to issue one step, from an idle GPU (no overlap)
+    for _ in range(args.reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        issue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    issue_ms = sorted(issue)[len(issue) // 2]
     print(f"{args.model} ({spec.num_layers} layers, {args.weights}), {what}: {total:.3f} ms of kernel time per step, "
-          f"{wall:.3f} ms wall")
+          f"{wall:.3f} ms wall back to back, {issue_ms:.3f} ms to issue one step on the host (median)")
     if args.cprofile:
         import cProfile
         import pstats
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
         print(f"{t:9.3f} ms {t / total:6.1%}  {name}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model=args.model, layers=spec.num_layers, what=what, total_ms=total, wall_ms=wall,
+            json.dump(dict(model=args.model, layers=spec.num_layers, what=what, total_ms=total, wall_ms=wall, issue_ms=issue_ms,
                            kernels=times), f,
                       indent=1)
     return 0
