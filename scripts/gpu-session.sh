@@ -23,6 +23,9 @@
 #                                        path), its time per 27B layer against the copy floor and the prefill
 #                                        linear against bf16 cuBLAS (linear.py --dequant), and the first tokens of
 #                                        eight 64-token prompts submitted together (27B nvfp4, tp 1)
+#   scripts/gpu-session.sh host OUT      one GPU, ~4 min: host time of eager steps: launch.py (per launch, both launch
+#                                        routes alternated), then profile_step.py's kernel, wall and issue times of
+#                                        27B nvfp4 prefill steps (1 and 6 prompts of 64 tokens), twice each
 #   scripts/gpu-session.sh probe OUT     two GPUs, ~5 min: what the eighth session's analysis asks for first: the
 #                                        quantised GEMV at every I-split (ks) on the 27B's main layers, and the
 #                                        lean16 exchange with first-poll delays around half a PCIe round trip
@@ -44,7 +47,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|probe|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -159,6 +162,14 @@ for reqs in walk(json.load(open(sys.argv[1]))):
     print(" ".join(f"{(r['submitted_s'] + r['ttft_s']) * 1e3:6.0f}" for r in sorted(reqs, key=lambda r: r["submitted_s"] + r["ttft_s"])))
 PY
     ;;
+  host)
+    timeout 60 python $B/launch.py --launches 20000 --out "$OUT/launch.json" > "$OUT/launch.txt" 2>&1
+    for rep in 1 2; do for C in 1 6; do
+      timeout 80 python $B/profile_step.py --model 27b --weights nvfp4 --prefill 64 --concurrency $C --top 5 \
+          --out "$OUT/host-c$C-$rep.json" > "$OUT/host-c$C-$rep.txt" 2>&1
+    done; done
+    tail -5 "$OUT/launch.txt"
+    grep -h "wall" "$OUT"/host-c*.txt | cut -c1-200 ;;
   probe)
     timeout 170 python $B/linear.py --ks 1 2 4 8 --kinds nvfp4 fp8_row --columns 1 8 \
         --layers q_proj in_proj_qkv gate_up down --out "$OUT/linear-ks.json" > "$OUT/linear-ks.txt" 2>&1
@@ -175,5 +186,5 @@ PY
         > "$OUT/ncu.txt" 2>&1
     grep -E "^(gate_up|down) |^  gemv_|Duration|DRAM Throughput|One or More Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Waves Per SM" \
         "$OUT/ncu.txt" | cut -c1-150 ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, probe, ncu)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu)" >&2; exit 2 ;;
 esac
