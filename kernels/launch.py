@@ -57,6 +57,17 @@ class KernelError(RuntimeError):
     pass
 
 
+class LaunchError(KernelError):
+    """cuLaunchKernelEx returned an error: `code` is the CUresult."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
 def available() -> bool:
     """True when CuPy imports and a CUDA device is visible."""
     try:
@@ -158,18 +169,32 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
         stream = _current_stream(device)
         if dependent:
             try:
-                _launch_ex(func.ptr, grid3, block3, shared_mem, stream, params, attrs=True)
+                _launch_in_context(device, func.ptr, grid3, block3, shared_mem, stream, params, attrs=True)
                 return
             except KernelError as e:                   # a driver that refuses the attribute: ordinary launches
                 _PDL_REFUSED.add(device)
                 log.warning("device %d: programmatic dependent launch refused (%s); launching kernels the "
                             "ordinary way from now on", device, e)
         if direct_launch_enabled():
-            _launch_ex(func.ptr, grid3, block3, shared_mem, stream, params, attrs=False)
+            _launch_in_context(device, func.ptr, grid3, block3, shared_mem, stream, params, attrs=False)
             return
     stream = _stream(torch.cuda.current_stream(device).cuda_stream, device)
     with cupy.cuda.Device(device), stream:
         fn(grid3, block3, tuple(_arg(a) for a in args), shared_mem=shared_mem)
+
+
+def _launch_in_context(device: int, func: int, grid, block, shared_mem: int, stream: int, params, attrs: bool) -> None:
+    """_launch_ex; on a thread where no CUDA context is current yet (nothing on it has called the
+    runtime: the current device reads as 0 without a context behind it), make `device`'s primary
+    context current (cudaSetDevice) and launch again, once."""
+    try:
+        _launch_ex(func, grid, block, shared_mem, stream, params, attrs)
+    except LaunchError as e:
+        if e.code != CUDA_ERROR_INVALID_CONTEXT:
+            raise
+        import cupy
+        cupy.cuda.runtime.setDevice(device)
+        _launch_ex(func, grid, block, shared_mem, stream, params, attrs)
 
 
 def _current_stream(device: int) -> int:
@@ -357,7 +382,7 @@ def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, params, att
     if rc != 0:
         msg = ctypes.c_char_p()
         lib.cuGetErrorString(rc, ctypes.byref(msg))
-        raise KernelError(f"cuLaunchKernelEx failed: {rc} {(msg.value or b'').decode()}")
+        raise LaunchError(f"cuLaunchKernelEx failed: {rc} {(msg.value or b'').decode()}", rc)
 
 
 @functools.lru_cache(maxsize=None)

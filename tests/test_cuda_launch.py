@@ -106,3 +106,31 @@ def test_a_bad_direct_launch_names_the_driver_call():
         pytest.skip("the driver has no cuLaunchKernelEx")
     with pytest.raises(L.KernelError, match="cuLaunchKernelEx failed"):
         L.launch(fn, (1,), (4096,), (flag, result), device=d)          # more threads than a block may have
+
+
+def test_a_launch_from_a_fresh_thread():
+    """A thread that has made no CUDA call yet (its tensors made on the main thread) launches a kernel:
+    the launch makes the device's context current where none is (launch._launch_in_context), on
+    either route. The kernel's result is checked against the float32 reference."""
+    import threading
+    from kernels import cuda_misc, reference
+    g = torch.Generator(device="cuda").manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+    x = torch.randn(5, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(2048, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))               # poisoned here: the thread's only CUDA call is the launch
+    torch.cuda.synchronize()
+    errors = []
+
+    def run():
+        try:
+            cuda_misc.rms_norm(x, w, 1e-6, out=out)
+        except Exception as e:                           # reported on the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out.float(), reference.rms_norm(x.float(), w.float(), 1e-6), rtol=1e-2, atol=1e-2)
