@@ -145,8 +145,8 @@ def launch(fn, grid, block, args, shared_mem: int = 0, device: int | None = None
 
     Launches go through the driver's cuLaunchKernelEx with the arguments packed straight from the
     Python values (direct_launch_enabled(); a dependent launch adds its attribute), else through
-    CuPy's kernel call. The direct route costs a fraction of the host time per launch, which a long
-    (prefill) step, launched eagerly, is bound by (docs/perf.md, thirteenth session)."""
+    CuPy's kernel call. The direct route measured 1-4 us less host time per launch (scripts/bench/
+    launch.py); eager (prefill) steps are host-bound (docs/perf.md, thirteenth session)."""
     if device is None:
         device = torch.cuda.current_device()
     grid3, block3 = _dim3(grid), _dim3(block)
