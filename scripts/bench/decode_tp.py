@@ -14,7 +14,9 @@ graphs). The floor per rank: the bytes a decode step reads on that rank (its wei
 chosen experts' share, its KV heads and GDN state at the mean context of the decode, as the rank
 counts them: ranks/model_cuda.py step_byte_parts) over the read bandwidth measured on GPU 0 before
 the engines start (decode.py's probe; the GPUs are taken to be alike); a step is held to the
-slowest rank's. Prints a table with the ratio to tp 1 and the fraction of the floor, and writes JSON.
+slowest rank's. Prints a table with the ratio to tp 1 and the fraction of the floor, each row followed
+by the requests' first-token times (ms after the first submission: prompts submitted together, so
+the spread shows how the scheduler and the prefill steps served them), and writes JSON.
 --share adds a tp 2 run whose all-reduces are skipped (TANDEM_BENCH_SKIP_ALLREDUCE=1; outputs are
 wrong, only its time counts): 1 - that step / the mailbox step is the all-reduce share of a tp 2 step.
 Each row also splits the step's wall time on the host (the engine's stats()["step_time"], averaged
@@ -157,6 +159,9 @@ def main(argv=None) -> int:
                           f"{host['rank_s'] * 1e3:.2f} ms, messaging "
                           f"{(host['wait_s'] - host['rank_s']) * 1e3:.2f}, coordinator "
                           f"{host['coordinator_s'] * 1e3:.2f}; planned ahead {host['ahead']:.0%}, fed {host['fed']:.0%}", flush=True)
+                    firsts = sorted((q["submitted_s"] + q["ttft_s"]) * 1e3 for q in r[C]["requests"])
+                    print(f"{'':33s}first tokens, ms after the first submission: " + " ".join(f"{t:.0f}" for t in firsts),
+                          flush=True)
         for C in args.concurrency:
             steps = {x["transport"]: x["step_s"] for x in res["runs"]
                      if x.get("C") == C and x["tp"] == 2 and x["weights"] == weights}
