@@ -288,15 +288,11 @@ _CTYPE = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int
 def kernel_params(args) -> tuple[ctypes.Array, ctypes.Structure]:
     """cuLaunchKernelEx's kernelParams: an array of pointers to each argument's value, and the values
     (one ctypes structure with a field per argument, kept alive by the caller). Arguments are numpy
-    scalars (launch's _arg made them so)."""
+    scalars (what _arg makes of launch's arguments: the CuPy route's form), packed by pack_args."""
     for a in args:
         if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
             raise KernelError(f"kernel argument {a!r}: expected a numpy scalar of a fixed width")
-    struct, offsets = _param_layout(tuple(a.dtype for a in args))
-    vals = struct(*[a.item() for a in args])
-    base = ctypes.addressof(vals)
-    ptrs = (ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets])
-    return ptrs, vals
+    return pack_args(args)
 
 
 _U64, _I32, _F32 = np.dtype(np.uint64), np.dtype(np.int32), np.dtype(np.float32)
@@ -305,8 +301,9 @@ _U64, _I32, _F32 = np.dtype(np.uint64), np.dtype(np.int32), np.dtype(np.float32)
 def pack_args(args):
     """kernelParams straight from launch()'s arguments (the conversions of _arg without numpy
     scalars in between): a tensor is its data pointer (u64), None a null pointer, a bool or int an
-    int32 (range-checked), a float a float32, a numpy scalar its own type. Returns (pointers, values)
-    like kernel_params; the caller keeps both alive until the launch call returns."""
+    int32 (range-checked), a float a float32, a numpy scalar its own type. Returns the array of
+    pointers to each value and the values' structure; the caller keeps both alive until the launch
+    call returns."""
     dtypes, vals = [], []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -346,10 +343,12 @@ def _param_layout(dtypes: tuple) -> tuple[type, tuple[int, ...]]:
     return struct, tuple(getattr(struct, f"a{i}").offset for i in range(len(dtypes)))
 
 
-def launch_config(grid, block, shared_mem: int, stream: int, attrs) -> LaunchConfig:
+def launch_config(grid, block, shared_mem: int, stream: int, attrs=None) -> LaunchConfig:
+    """cuLaunchKernelEx's configuration; attrs None: no launch attributes (an ordinary launch)."""
     cfg = LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream))
-    cfg.attrs = attrs
-    cfg.numAttrs = len(attrs)
+    if attrs is not None:
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
     return cfg
 
 
@@ -374,10 +373,7 @@ def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, params, att
     """cuLaunchKernelEx of `func` with kernelParams `params` (pack_args or kernel_params); attrs: with
     the programmatic-serialisation attribute (a dependent launch), else none (an ordinary launch)."""
     lib, launch_ex, pdl_attrs = _driver()
-    cfg = LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream))
-    if attrs:
-        cfg.attrs = pdl_attrs
-        cfg.numAttrs = 1
+    cfg = launch_config(grid, block, shared_mem, stream, pdl_attrs if attrs else None)
     rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
     if rc != 0:
         msg = ctypes.c_char_p()
