@@ -146,21 +146,8 @@ PY
         --new-tokens 16 --out "$OUT/ttft.json" > "$OUT/ttft.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/dequant-tests.txt" | cut -c1-200 | tail -6
     echo "== dequant"; tail -12 "$OUT/dequant.txt" | cut -c1-150
-    echo "== first tokens (ms after the first submission), 8 x 64-token prompts together"
-    python - "$OUT/ttft.json" <<'PY'
-import json, sys
-def walk(o):
-    if isinstance(o, dict):
-        if isinstance(o.get("requests"), list):
-            yield o["requests"]
-        for v in o.values():
-            yield from walk(v)
-    elif isinstance(o, list):
-        for v in o:
-            yield from walk(v)
-for reqs in walk(json.load(open(sys.argv[1]))):
-    print(" ".join(f"{(r['submitted_s'] + r['ttft_s']) * 1e3:6.0f}" for r in sorted(reqs, key=lambda r: r["submitted_s"] + r["ttft_s"])))
-PY
+    echo "== 8 x 64-token prompts submitted together (decode_tp.py prints their first tokens)"
+    grep -E "tp 1 |first tokens" "$OUT/ttft.txt" | cut -c1-200
     ;;
   host)
     timeout 60 python $B/launch.py --launches 20000 --out "$OUT/launch.json" > "$OUT/launch.txt" 2>&1
