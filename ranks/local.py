@@ -43,6 +43,9 @@ class LocalGenerator:
         bad = [t for t in prompt_ids if not 0 <= t < spec.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
         room = spec.max_position_embeddings - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
@@ -58,7 +61,8 @@ class LocalGenerator:
                              frequency_penalty=params.frequency_penalty,
                              repetition_penalty=params.repetition_penalty,
                              seed=params.seed if params.seed is not None else random.randrange(2**62),
-                             prompt_len=len(prompt_ids), banned=params.banned_token_ids)
+                             prompt_len=len(prompt_ids), banned=params.banned_token_ids,
+                             bias=params.logit_bias)
         sampler.observe(list(prompt_ids), 0)
 
         ids = torch.tensor(prompt_ids, dtype=torch.int64)

@@ -15,10 +15,12 @@ distribution, so those rows gather the logits first, one row at a time. Ties go 
 
 Penalties follow the common server semantics: repetition (divide positive logits, multiply
 negative ones) over prompt and output tokens; presence and frequency (subtract) over output tokens.
+A logit_bias (OpenAI's) is added to the raw logits before them, as vLLM does; greedy rows see it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,9 +51,13 @@ class SeqSampler:
     seen: dict[int, int] = field(default_factory=dict)       # token -> count in prompt + output
     output: dict[int, int] = field(default_factory=dict)     # token -> count in output
     banned: tuple[int, ...] = ()                             # ids never sampled (their logits -> -inf)
+    bias: tuple[tuple[int, float], ...] = ()                 # (id, value): logit_bias, added to the raw logit
+    logprobs: int = -1                                       # -1: none; k >= 0: the token's logprob + k alternatives
 
     def __post_init__(self) -> None:
         self.banned = tuple(int(t) for t in self.banned)     # msgpack brings a list
+        self.bias = tuple((int(t), float(v)) for t, v in (self.bias.items() if isinstance(self.bias, dict)
+                                                          else self.bias))
 
     @property
     def greedy(self) -> bool:
@@ -67,8 +73,8 @@ class SeqSampler:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether apply_penalties changes this sequence's logits (penalties with counts, or banned ids)."""
-        return (self.has_penalties and bool(self.seen)) or bool(self.banned)
+        """Whether apply_penalties changes this sequence's logits (penalties with counts, banned ids, a bias)."""
+        return (self.has_penalties and bool(self.seen)) or bool(self.banned) or bool(self.bias)
 
     def observe(self, tokens: list[int], first_position: int) -> None:
         """Count the input tokens of one step (positions from first_position on)."""
@@ -188,12 +194,18 @@ def keyed_uniform(seed: int, position: int, purpose: int = PURPOSE_ACCEPT) -> fl
 
 
 def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
-    """Penalised copy of one row of logits for the shard that starts at token id `offset`; banned ids
-    get -inf."""
+    """Penalised copy of one row of logits for the shard that starts at token id `offset`: the
+    logit_bias is added to the raw logits first (as vLLM does), banned ids get -inf, then the
+    repetition, presence and frequency penalties act on the biased logits."""
     if not s.adjusts_logits:
         return logits
     out = logits.clone()
     n = out.shape[-1]
+    if s.bias:
+        pairs = [(t - offset, v) for t, v in s.bias if offset <= t < offset + n]
+        if pairs:                        # index_add_ with device tensors: no host synchronisation
+            out.index_add_(0, to_device([p[0] for p in pairs], torch.long, out.device),
+                           to_device([p[1] for p in pairs], out.dtype, out.device))
     if s.banned:
         ids = [t - offset for t in s.banned if offset <= t < offset + n]
         if ids:
@@ -386,13 +398,11 @@ def gather_log_probs(logits: Tensor, samplers: list[SeqSampler], *, rank: int, t
 
 
 def with_tokens(s: SeqSampler, tokens: list[int], first_position: int) -> SeqSampler:
-    """The sampler as it would be after observing `tokens` (a copy when penalties need counts)."""
+    """The sampler as it would be after observing `tokens` (a copy when penalties need counts: every
+    field carried over, the counts copied)."""
     if not s.has_penalties or not tokens:
         return s
-    c = SeqSampler(**{f: getattr(s, f) for f in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
-                                                   "frequency_penalty", "repetition_penalty", "seed", "prompt_len",
-                                                   "banned")},
-                   seen=dict(s.seen), output=dict(s.output))
+    c = dataclasses.replace(s, seen=dict(s.seen), output=dict(s.output))
     c.observe(tokens, first_position)
     return c
 
@@ -438,4 +448,47 @@ def accept_sampled(logp: Tensor, drafts: list[int], seed: int, positions: list[i
         return out
     n = len(drafts)
     out.append(_argmax_lowest(logp[n] + gumbel_noise(seed, positions[n], V, logp.device)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probabilities of the chosen tokens (the APIs' logprobs / top_logprobs)
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], tops: list[int], *, rank: int, tp: int,
+                   gather: Gather) -> list[list]:
+    """The log-probability of each row's chosen token and its `tops[r]` most likely alternatives, under
+    the model's own distribution (log_softmax of the raw logits: before penalties, logit_bias,
+    temperature and filters, as vLLM reports them by default). logits [R, V/N] this rank's shard.
+
+    Each rank sends, per row, its shard's logsumexp, the chosen token's logit (-inf when the id is
+    another rank's) and its shard's top max(tops) (logit, id) pairs, float32, in one exchange; the
+    merge (float64) is the same on every rank. Returns per row [logprob, [[id, logprob], ...]], the
+    alternatives by decreasing logprob, ties to the lower id. Collective."""
+    R, n = logits.shape
+    if R == 0:
+        return []
+    offset = rank * n
+    K = max(1, min(max(tops), MAX_TOP_LOGPROBS, n))
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)                                             # [R]
+    local = [t - offset if offset <= t < offset + n else -1 for t in tokens]
+    idx = to_device([max(i, 0) for i in local], torch.int64, x.device)
+    chosen = x.gather(1, idx[:, None])[:, 0]
+    mine = to_device([i >= 0 for i in local], torch.bool, x.device)
+    chosen = torch.where(mine, chosen, torch.full_like(chosen, float("-inf")))
+    top = torch.topk(x, K, dim=-1)
+    pack = torch.cat([lse[:, None], chosen[:, None], top.values, (top.indices + offset).float()], dim=1)
+    allp = (gather(pack) if tp > 1 else pack[None]).double().cpu()                # [N, R, 2 + 2K]
+    total = torch.logsumexp(allp[:, :, 0], dim=0)                                # [R]
+    best = allp[:, :, 1].max(0).values
+    out = []
+    for r in range(R):
+        vals = allp[:, r, 2:2 + K].reshape(-1).tolist()
+        ids = allp[:, r, 2 + K:].reshape(-1).tolist()
+        z = float(total[r])
+        order = sorted(range(len(vals)), key=lambda j: (-vals[j], ids[j]))[:tops[r]]
+        out.append([float(best[r]) - z, [[int(ids[j]), vals[j] - z] for j in order]])
     return out

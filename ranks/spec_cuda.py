@@ -22,10 +22,10 @@ rejected columns do for the main KV), so results equal the eager round's: the sa
 accepted tokens bit for bit (the same head GEMV over the same rows), the same committed state, and
 drafts that differ only where the MTP pass's column count changes a GEMV's summation order.
 
-A round qualifies (`eligible`) when every sequence is greedy without penalties, feeds one token plus
-its n <= K drafts (fewer near its token budget: padded to K + 1 columns, acceptance capped at n),
-and has pages for its last draft position; anything else (sampled or penalised sequences, prefill
-chunks, forced tokens) runs the eager round.
+A round qualifies (`eligible`) when every sequence is greedy without penalties, banned ids or a
+logit_bias, feeds one token plus its n <= K drafts (fewer near its token budget: padded to K + 1
+columns, acceptance capped at n), and has pages for its last draft position; anything else (sampled,
+penalised or biased sequences, prefill chunks, forced tokens) runs the eager round.
 """
 
 from __future__ import annotations

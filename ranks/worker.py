@@ -29,7 +29,7 @@ import zmq
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
 from ranks.sampler import (SeqSampler, _nan_row, accept_greedy, accept_sampled, argmax_rows, gather_log_probs,
-                           local_candidates, merge_on_device, sample_rows, take_rows, with_tokens)
+                           local_candidates, merge_on_device, sample_rows, take_rows, token_logprobs, with_tokens)
 from ranks.backend import choose_backend
 from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
@@ -227,21 +227,31 @@ class Worker:
         smp = [self.samplers[seq_ids[b]] for b in rows]
         positions = [starts[b] + columns[b] for b in rows]
         # decode-sized steps only: a long prefill chunk would leave the rank spinning for its whole length
-        if rows and self.device_feed and self.model_feeds(columns) and not any(s.needs_full_distribution for s in smp):
+        if rows and self.device_feed and self.model_feeds(columns) \
+                and not any(s.needs_full_distribution or s.logprobs >= 0 for s in smp):
             self._pend(plan, seq_ids, rows, take_rows(out.logits, rows).float(), smp, positions, t0,
                        feed is not None)
             return done
         sampled: list[int] = []
+        logprobs = None
         if rows:
             sampled = sample_rows(take_rows(out.logits, rows).float(), smp, positions, rank=self.rank, tp=self.tp,
                                   gather=self.mailbox.all_gather)
+            want = [j for j, s in enumerate(smp) if s.logprobs >= 0]
+            if want:
+                got = token_logprobs(take_rows(out.logits, [rows[j] for j in want]).float(),
+                                     [sampled[j] for j in want], [smp[j].logprobs for j in want],
+                                     rank=self.rank, tp=self.tp, gather=self.mailbox.all_gather)
+                logprobs = [None] * len(rows)
+                for j, e in zip(want, got):
+                    logprobs[j] = e
         if self.profiler is not None:
             self.profiler.mark("sampled")
-        result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None)
+        result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None, logprobs)
         return done + ([result] if result is not None else [])
 
     def _finish_step(self, plan: msg.StepPlan, seq_ids: list[int], rows: list[int], sampled: list[int],
-                     t0: float, fed: bool) -> msg.StepResult | None:
+                     t0: float, fed: bool, logprobs: list | None = None) -> msg.StepResult | None:
         for b, t in zip(rows, sampled):                 # what a step planned ahead feeds (every rank)
             self.last_sampled[seq_ids[b]] = t
         for sid in plan.finished:
@@ -251,7 +261,7 @@ class Worker:
             return None
         return msg.StepResult(step=plan.step, seq_ids=np.array([seq_ids[b] for b in rows], dtype=np.int64),
                               tokens=np.array(sampled, dtype=np.int64), elapsed_s=time.perf_counter() - t0,
-                              fed=fed)
+                              fed=fed, logprobs=logprobs)
 
     # ---- device-fed steps ---------------------------------------------------------------------------
 
@@ -361,7 +371,9 @@ class Worker:
             smp = [self.samplers[sid] for sid in seq_ids]
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
             if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),
-                                        [s.greedy and not s.has_penalties and not s.banned for s in smp], kv_tokens, stops):
+                                        [s.greedy and not s.has_penalties and not s.banned and not s.bias and s.logprobs < 0
+                                         for s in smp],
+                                        kv_tokens, stops):
                 return self._gpu_round(plan, batch, stops, ndraft, t0)
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
         t_fwd = time.perf_counter()
@@ -428,6 +440,7 @@ class Worker:
                 if t in stops:
                     accepted[b] = accepted[b][:i + 1]
                     break
+        logprobs = self._round_logprobs(logits, rows, seq_ids, col_logits, accepted)
         t_acc = time.perf_counter()
         if out.kept is not None:
             self.model.commit(out.kept, self.state, [len(accepted.get(b, [0])) - 1 for b in out.kept.seqs])
@@ -448,7 +461,26 @@ class Worker:
                               tokens=np.array(toks, dtype=np.int64),
                               counts=np.array([len(accepted[b]) for b in rows], dtype=np.int32),
                               drafts=np.array([drafts[b] for b in rows], dtype=np.int64).reshape(len(rows), self.spec_k),
-                              elapsed_s=time.perf_counter() - t0)
+                              elapsed_s=time.perf_counter() - t0, logprobs=logprobs)
+
+    def _round_logprobs(self, logits, rows: list[int], seq_ids: list[int], col_logits: dict,
+                        accepted: dict) -> list | None:
+        """logprobs of a round's emitted tokens for the sequences that asked (None when none did): token i
+        of a sequence's round was decided by its verification column i. One entry per emitted token, in
+        StepResult.tokens order. Collective."""
+        want = {b for b in rows if self.samplers[seq_ids[b]].logprobs >= 0}
+        if not want:
+            return None
+        idx, toks, tops = [], [], []
+        for b in rows:
+            if b in want:
+                k = self.samplers[seq_ids[b]].logprobs
+                for i, t in enumerate(accepted[b]):
+                    idx.append(col_logits[b][0] + i)
+                    toks.append(t)
+                    tops.append(k)
+        got = iter(token_logprobs(logits[idx], toks, tops, rank=self.rank, tp=self.tp, gather=self.mailbox.all_gather))
+        return [next(got) if b in want else None for b in rows for _ in accepted[b]]
 
     def _gpu_round(self, plan: msg.StepPlan, batch: Batch, stops: list[list[int]], ndraft: list[int],
                    t0: float) -> msg.StepResult | None:

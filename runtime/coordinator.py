@@ -250,6 +250,9 @@ class Coordinator:
         for t in params.banned_token_ids:
             if not 0 <= t < V:
                 raise ValueError(f"banned token id {t!r} is outside the vocabulary [0, {V})")
+        for t, _ in params.logit_bias:
+            if not 0 <= t < V:
+                raise ValueError(f"logit_bias token id {t!r} is outside the vocabulary [0, {V})")
         if len(prompt) >= self.config.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.config.max_context} "
                              "(prompt plus at least one generated token)")
@@ -379,6 +382,10 @@ class Coordinator:
                                       repetition_penalty=p.repetition_penalty, seed=s.seed, prompt_len=len(s.prompt))
             if p.banned_token_ids:
                 new_sampling[s.id]["banned"] = list(p.banned_token_ids)
+            if p.logit_bias:
+                new_sampling[s.id]["bias"] = [[t, v] for t, v in p.logit_bias]
+            if p.logprobs is not None:
+                new_sampling[s.id]["logprobs"] = p.logprobs
         spec_stops = {s.id: sorted(s.stop_ids) for s in plan.new} if self.options.spec_draft_tokens else {}
         step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, spec_stops=spec_stops,
                             **arrays)
@@ -393,17 +400,24 @@ class Coordinator:
         t_result = time.perf_counter()
         self.counters["steps"] += 1
         ids, toks = result.seq_ids.tolist(), result.tokens.tolist()
-        drafts = None
+        drafts, lps = None, None
+        counts = [1] * len(ids) if result.counts is None else result.counts.tolist()
         if result.counts is None:
             sampled = dict(zip(ids, toks))
         else:
             sampled, at = {}, 0
-            for sid, c in zip(ids, result.counts.tolist()):
+            for sid, c in zip(ids, counts):
                 sampled[sid] = toks[at:at + c]
                 at += c
             drafts = dict(zip(ids, result.drafts.tolist())) if result.drafts is not None else None
+        if result.logprobs is not None:
+            lps, at = {}, 0
+            for sid, c in zip(ids, counts):
+                if c and result.logprobs[at] is not None:
+                    lps[sid] = result.logprobs[at:at + c]
+                at += c
         with self._lock:
-            events = self.scheduler.commit(plan, sampled, drafts)
+            events = self.scheduler.commit(plan, sampled, drafts, lps)
         hook = self.options.spec_draft_hook
         if hook is not None and drafts is not None:                  # TEST-ONLY (EngineOptions)
             for s in plan.seqs:
@@ -412,7 +426,7 @@ class Coordinator:
         for s, tokens, reason in events:
             self.counters["generated_tokens"] += len(tokens)
             if reason is None:
-                self.streams[s.id]._push(Event(s.id, tokens))
+                self.streams[s.id]._push(Event(s.id, tokens, logprobs=_take_logprobs(s)))
             else:
                 self._finish(s, last_tokens=tokens)
         if result.fed:
@@ -490,7 +504,8 @@ class Coordinator:
             if s.spec is not None:
                 spec = dict(s.spec, tokens_per_round=(s.spec["accepted"] + s.spec["rounds"]) / s.spec["rounds"])
             stream._push(Event(s.id, tokens, finish_reason=reason, error=s.error if s.status == Status.FAILED else None,
-                               usage=usage, timings=timings, spec=spec))
+                               usage=usage, timings=timings, spec=spec,
+                               logprobs=_take_logprobs(s) if tokens else None))
 
     def _fail(self, reason: str, status: Status = Status.FAILED) -> None:
         """End every request; with FAILED the engine also turns unhealthy and stops its ranks."""
@@ -523,6 +538,12 @@ class Coordinator:
                     raced.append(value)
         for s in pending + raced:
             self._finish(s)
+
+
+def _take_logprobs(s: Sequence) -> list | None:
+    """The logprob entries of the tokens added since the last event (None: the request did not ask)."""
+    out, s.new_logprobs = s.new_logprobs, ([] if s.new_logprobs is not None else None)
+    return out
 
 
 class _RankFailure(RuntimeError):

@@ -109,6 +109,10 @@ class Event:
     spec: dict | None = None             # speculation statistics (last event, when speculation ran):
                                          # rounds, drafted, accepted, accepted_hist [K+1],
                                          # position_drafted [K], position_accepted [K], tokens_per_round
+    # SamplingParams.logprobs set: one entry per token of `tokens`: [logprob, [[id, logprob], ...]] (the
+    # token's log-probability under the model's raw distribution and the k most likely ids), or None
+    # for a token inserted without sampling (a thinking budget's closing tokens)
+    logprobs: list | None = None
 
     @property
     def final(self) -> bool:
@@ -124,6 +128,7 @@ class Completion:
     usage: dict | None
     timings: dict | None
     spec: dict | None = None
+    logprobs: list | None = None       # SamplingParams.logprobs set: one entry per token (Event.logprobs)
 
 
 class RequestStream:
@@ -185,11 +190,15 @@ class RequestStream:
     def result(self, timeout: float | None = None) -> Completion:
         """Block until the request ends; all its tokens and how it ended."""
         tokens: list[int] = []
+        logprobs: list | None = None
         while True:
             ev = self.get(timeout)
             tokens.extend(ev.tokens)
+            if ev.logprobs is not None:
+                logprobs = (logprobs or []) + list(ev.logprobs)
             if ev.final:
-                return Completion(self.id, tokens, ev.finish_reason, ev.error, ev.usage, ev.timings, ev.spec)
+                return Completion(self.id, tokens, ev.finish_reason, ev.error, ev.usage, ev.timings, ev.spec,
+                                  logprobs)
 
 
 class Engine:

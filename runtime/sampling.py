@@ -6,7 +6,11 @@ and checks the numbers, so the frontend and the coordinator can refuse bad value
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGIT_BIAS = 300               # entries of logit_bias (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20              # alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,12 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
     banned_token_ids: tuple[int, ...] = field(default=())   # never sampled (e.g. <tool_call> for tool_choice none)
+    # OpenAI logit_bias: (token id, bias in [-100, 100]) pairs, each bias added to that id's raw logit
+    # before penalties, temperature and filters (as vLLM does); a dict {id: bias} is taken too
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # logprobs: None = off; k (0..MAX_TOP_LOGPROBS) = each generated token's log-probability under the
+    # model's raw distribution and its k most likely alternatives (runtime.engine.Event.logprobs)
+    logprobs: int | None = None
     # Thinking budget: after `thinking_budget` generated tokens without one of `thinking_end_ids`
     # (e.g. the id of "</think>"), the next token is replaced by `thinking_close_ids` (e.g. the ids of
     # "\n</think>\n\n"), inserted without sampling. None = no budget.
@@ -47,6 +57,10 @@ class SamplingParams:
 
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.banned_token_ids),
                "banned_token_ids", self.banned_token_ids, "token ids (integers >= 0)")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
                "thinking_budget", self.thinking_budget, "an integer >= 0")
         _check(self.thinking_budget is None or bool(self.thinking_close_ids), "thinking_close_ids",
@@ -55,6 +69,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, float bias) pairs; ValueError naming the field when malformed."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(t, v) for t, v in items]
+    except (TypeError, ValueError):
+        pairs = None
+    ok = (pairs is not None and len(pairs) <= MAX_LOGIT_BIAS
+          and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                  and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and -100 <= v <= 100
+                  for t, v in pairs)
+          and len({t for t, _ in pairs}) == len(pairs))
+    _check(ok, "logit_bias", value if pairs is None or len(pairs) <= 8 else f"<{len(pairs)} entries>",
+           f"at most {MAX_LOGIT_BIAS} distinct (token id >= 0, bias in [-100, 100]) pairs")
+    return tuple(sorted((t, float(v)) for t, v in pairs))
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

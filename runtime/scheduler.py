@@ -223,11 +223,14 @@ class Scheduler:
         return Plan(self.step, seqs, [1] * len(seqs), [True] * len(seqs), released=released, starts=starts)
 
     def commit(self, plan: Plan, sampled: dict[int, int | list[int]],
-               drafts: dict[int, list[int]] | None = None) -> list[tuple[Sequence, list[int], str | None]]:
+               drafts: dict[int, list[int]] | None = None,
+               logprobs: dict[int, list] | None = None) -> list[tuple[Sequence, list[int], str | None]]:
         """Apply a step's result: advance, append sampled tokens, finish what is complete.
 
         sampled: a token per sequence, or (speculation) the accepted tokens of its round: the
         accepted drafts then the correction / bonus token. drafts: the next round's drafts.
+        logprobs: per sequence that asked, one entry per sampled token (StepResult.logprobs); the entries
+        of the tokens added go to the sequence's new_logprobs (None for tokens inserted without sampling).
         Returns (sequence, tokens added, finish reason or None) for sequences that got tokens.
         """
         events = []
@@ -248,9 +251,14 @@ class Scheduler:
             if not toks:
                 continue
             added, reason = [], None
-            for t in toks:
+            lps = (logprobs or {}).get(s.id)
+            if lps is not None and s.new_logprobs is None:
+                s.new_logprobs = []
+            for i, t in enumerate(toks):
                 more, reason = s.accept(t)
                 added += more
+                if lps is not None:
+                    s.new_logprobs += [lps[i]] if more == [t] else [None] * len(more)
                 if reason is not None:
                     break
             if reason is not None:

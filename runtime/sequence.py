@@ -43,6 +43,9 @@ class Sequence:
     reasoning_tokens: int = 0
     drafts: list[int] = field(default_factory=list)    # speculation: MTP drafts for the next round
     spec: dict | None = None           # speculation statistics (SpecStats.as_dict layout)
+    # params.logprobs set: the entries of tokens appended since the coordinator last took them, one per
+    # token ([logprob, [[id, logprob], ...]], or None for a token inserted without sampling)
+    new_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         self.thinking = self.params.thinking_budget is not None

@@ -4,13 +4,17 @@ prompt: a string, a list of token ids, or a one-element list of either (batches 
 are refused: send one request per prompt). max_tokens defaults to 16 as OpenAI's does. `echo`
 prepends the prompt text (streaming: in the first chunk). Stream chunks and the final object are
 `text_completion` objects with one cmpl- id; usage chunk with stream_options.include_usage; `[DONE]`.
-Refused with a 400 naming the field: n / best_of > 1, logprobs, a non-empty suffix, logit_bias.
+n (1..128) choices as in chat completions (best_of only equal to n: choices are not ranked). Refused with
+a 400 naming the field: best_of other than n, a non-empty suffix, echo together with logprobs
+(the prompt's log-probabilities are not computed). logit_bias is applied as in chat completions
+(server/openai_chat.py). logprobs (0..5): each generated token's log-probability under the model's raw
+distribution and that many alternatives, as {tokens, token_logprobs, top_logprobs, text_offset} (a
+stream chunk carries the tokens generated since the previous chunk).
 """
 
 from __future__ import annotations
 
 import secrets
-from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
@@ -21,10 +25,12 @@ from server import params as P
 from server import sse
 from server.disconnect import Guarded, until_disconnect
 from server.errors import openai_error_body
-from server.openai_chat import refuse_unsupported, sampling_fields, stream_options
-from server.service import APIError, ContentDelta, Finish, Prepared, Service, TextRequest
+from server import choices
+from server.openai_chat import choices_field, sampling_fields, stream_options
+from server.service import APIError, ContentDelta, Finish, Prepared, Service, TextRequest, TokenLogprobs
 
 DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 5                       # alternatives per token (OpenAI's limit for this API)
 
 
 def routes(service: Service) -> list[Route]:
@@ -60,23 +66,52 @@ def _prompt(value: Any) -> str | list[int]:
     raise P.bad("invalid type for 'prompt': expected a string, an array of strings or token ids", "prompt")
 
 
-def parse(body: dict[str, Any]) -> tuple[TextRequest, bool]:
+def parse(body: dict[str, Any]) -> tuple[TextRequest, bool, int]:
+    """-> (request, include_usage, n)."""
     f = P.Fields(body)
     model = f.string("model", required=True)
     prompt = _prompt(body.get("prompt"))
     stream = bool(f.boolean("stream"))
     include_usage = stream_options(f, stream)
-    refuse_unsupported(f, logprobs_int=True)
-    best_of = f.integer("best_of", lo=1, hi=128)
-    if best_of is not None and best_of != 1:
-        raise P.bad("best_of > 1 is not supported by this server", "best_of")
+    n = choices_field(f)
+    logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
+    echo = bool(f.boolean("echo"))
+    if echo and logprobs is not None:
+        raise P.bad("echo with logprobs (the prompt's log-probabilities) is not supported by this server; "
+                    "logprobs of the generated tokens are (echo false)", "echo")
+    best_of = f.integer("best_of", lo=1, hi=choices.MAX_CHOICES)
+    if best_of is not None and best_of != n:                 # best_of = n returns every candidate: n choices
+        raise P.bad("best_of other than n is not supported by this server (choices are not ranked); use n",
+                    "best_of")
     if f.string("suffix"):
         raise P.bad("suffix is not supported by this model", "suffix")
     max_tokens = f.integer("max_tokens", lo=1)
+    sampling = sampling_fields(f)
+    sampling.logprobs = logprobs
     req = TextRequest(prompt=prompt, max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-                      stop=f.stop("stop"), sampling=sampling_fields(f), echo=bool(f.boolean("echo")), model=model,
+                      stop=f.stop("stop"), sampling=sampling, echo=echo, model=model,
                       api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
-    return req, include_usage
+    return req, include_usage, n
+
+
+def logprobs_object(entries: list | None, offset: int) -> tuple[dict | None, int]:
+    """Chat-shaped logprob entries (server.generation.logprob_entry) -> the legacy completions object
+    {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset} and the offset after them
+    (text_offset: each token's character offset in the choice's text, continued across stream chunks;
+    alternatives whose text is the same, e.g. two pieces of multi-byte characters, keep the best value)."""
+    if entries is None:
+        return None, offset
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        top: dict[str, float] = {}
+        for a in e["top_logprobs"]:                  # best first; ids with the same text keep the best value
+            top.setdefault(a["token"], a["logprob"])
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out, offset
 
 
 def _usage(usage: dict[str, int]) -> dict[str, int]:
@@ -86,24 +121,25 @@ def _usage(usage: dict[str, int]) -> dict[str, int]:
 
 async def completions(service: Service, request: Request) -> Response:
     body = await P.read_json(request)
-    req, include_usage = parse(body)
+    req, include_usage, n = parse(body)
     prepared = service.prepare(req)
-    service.submit(prepared)
+    preps = choices.copies(prepared, n)
+    choices.submit_all(service, preps)
     cid = "cmpl-" + secrets.token_hex(12)
     echo = _echo_text(service, prepared) if req.echo else ""
     if req.stream:
-        return Guarded(sse.sse_response(_stream(service, prepared, cid, echo, include_usage)),
-                       lambda: service.release(prepared))
+        return Guarded(sse.sse_response(_stream(service, preps, cid, echo, include_usage)),
+                       lambda: choices.release_all(service, preps))
     try:
-        result = await until_disconnect(request.receive, service.complete(prepared))
+        results = await until_disconnect(request.receive, choices.complete_all(service, preps))
     finally:
-        service.release(prepared)
+        choices.release_all(service, preps)
     return JSONResponse({
         "id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model,
         "system_fingerprint": None,
-        "choices": [{"text": echo + (result.content or ""), "index": 0, "logprobs": None,
-                     "finish_reason": result.finish.finish_reason}],
-        "usage": _usage(result.finish.usage)})
+        "choices": [{"text": echo + (r.content or ""), "index": i, "logprobs": logprobs_object(r.logprobs, len(echo))[0],
+                     "finish_reason": r.finish.finish_reason} for i, r in enumerate(results)],
+        "usage": _usage(choices.total_usage([r.finish.usage for r in results]))})
 
 
 def _echo_text(service: Service, prepared: Prepared) -> str:
@@ -112,24 +148,35 @@ def _echo_text(service: Service, prepared: Prepared) -> str:
     return service.tokenizer.decode(prepared.prompt_ids)
 
 
-async def _stream(service: Service, prepared: Prepared, cid: str, echo: str, include_usage: bool):
+async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, include_usage: bool):
+    prepared = preps[0]
     base = {"id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model}
+    pending: list[list] = [[] for _ in preps]     # per choice: logprob entries that ride on its next chunk
+    offsets = [len(echo)] * len(preps)
+    usages: list = [None] * len(preps)
 
-    def chunk(text: str, finish: str | None = None) -> bytes:
-        return sse.event({**base, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+    def chunk(i: int, text: str, finish: str | None = None) -> bytes:
+        lp = None
+        if pending[i]:
+            lp, offsets[i] = logprobs_object(pending[i][:], offsets[i])
+            pending[i].clear()
+        return sse.event({**base, "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": finish}],
                           "usage": None})
 
     if echo:
-        yield chunk(echo)
+        for i in range(len(preps)):
+            yield chunk(i, echo)
     try:
-        async with aclosing(service.generate(prepared)) as deltas:
-            async for d in deltas:
-                if isinstance(d, ContentDelta):
-                    yield chunk(d.text)
-                elif isinstance(d, Finish):
-                    yield chunk("", d.finish_reason)
-                    if include_usage:
-                        yield sse.event({**base, "choices": [], "usage": _usage(d.usage)})
+        async for i, d in choices.merged(service, preps):
+            if isinstance(d, TokenLogprobs):
+                pending[i] += d.entries
+            elif isinstance(d, ContentDelta):
+                yield chunk(i, d.text)
+            elif isinstance(d, Finish):
+                yield chunk(i, "", d.finish_reason)
+                usages[i] = d.usage
+        if include_usage:
+            yield sse.event({**base, "choices": [], "usage": _usage(choices.total_usage(usages))})
     except APIError as e:
         yield sse.event(openai_error_body(e))
         return

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from runtime import parsing
 from server.service import (APIError, ChatRequest, ContentDelta, Delta, Finish, Prepared, ReasoningDelta,
-                            ToolCallArgs, ToolCallEnd, ToolCallStart)
+                            TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,20 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
+
+
+LOGPROB_FLOOR = -9999.0      # JSON has no -inf: a token the model gives no mass (OpenAI's convention)
+
+
+def logprob_entry(tokenizer, token: int, entry: list) -> dict:
+    """An engine logprob entry [logprob, [[id, logprob], ...]] -> the OpenAI chat shape {token, logprob,
+    bytes, top_logprobs: [{token, logprob, bytes}]}; token is the token's bytes as UTF-8 (a piece of a
+    multi-byte character shows as U+FFFD; bytes has the exact ones)."""
+    def one(i: int, lp: float) -> dict:
+        b = tokenizer.token_bytes(i)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(b)}
+    lp, alts = entry
+    return {**one(token, lp), "top_logprobs": [one(int(i), v) for i, v in alts]}
 
 
 def engine_error(text: str) -> APIError:
@@ -106,7 +120,8 @@ def submit(service, prepared: Prepared) -> None:
     except EngineError as e:
         err = APIError(503, "unavailable", f"the engine is not serving: {e}")
     except ValueError as e:
-        err = APIError(400, "invalid_request", str(e))
+        # the engine's refusals name the field first where it is a request field ("logit_bias token id ...")
+        err = APIError(400, "invalid_request", str(e), param="logit_bias" if str(e).startswith("logit_bias ") else None)
     service.record_rejected(err, req.api)
     raise err
 
@@ -146,6 +161,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     stops = StopMatcher(req.stop)
     decoder = service.tokenizer.incremental_decoder()
     eos = frozenset() if req.ignore_eos else service.stop_token_ids
+    want_logprobs = req.sampling.logprobs is not None
     events = stream.__aiter__()
     engine_done = False
     try:
@@ -155,10 +171,12 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
         reason, matched, engine_timings, engine_usage, engine_spec = None, None, {}, {}, None
         while reason is None:
             ev = await events.__anext__()
-            for tok in ev.tokens:
+            for i, tok in enumerate(ev.tokens):
                 stats.token(tok)
                 if tok in eos:
                     continue
+                if want_logprobs and ev.logprobs is not None and ev.logprobs[i] is not None:
+                    yield TokenLogprobs([logprob_entry(service.tokenizer, tok, ev.logprobs[i])])
                 text = decoder.push(tok)
                 if not text:
                     continue

@@ -9,26 +9,37 @@ chunk (choices []) when stream_options.include_usage; in-band errors as data: {"
 One chatcmpl- id for every chunk. Both paths run the same Service.generate, so a stream's deltas
 concatenate to the non-streamed object.
 
-Unsupported and refused with a 400 naming the field: n > 1, logprobs / top_logprobs, a non-empty
-logit_bias, non-function tools. response_format is accepted (and not enforced: no constrained decoding).
+logprobs: true (+ top_logprobs 0..20): each generated token's log-probability under the model's raw
+distribution (before penalties, logit_bias, temperature and filters, as vLLM reports by default) and its
+most likely alternatives, as choices[0].logprobs.content (streamed: on the chunk after each token; EOS
+and tokens inserted without sampling are left out; reasoning and tool-call tokens are included).
+
+n (1..128): n choices, each its own engine request over the one rendered prompt (server/choices.py:
+seed + i per choice when a seed is given); streamed, their chunks interleave, each choice's role chunk
+first and its finish chunk last; usage counts the prompt once.
+
+Unsupported and refused with a 400 naming the field: non-function tools. response_format is accepted (and not enforced: no constrained decoding). logit_bias ({"token
+id": bias in [-100, 100]}, at most 300 ids; null or {} for none) is added to those ids' raw logits
+before penalties, temperature and filters, greedy included (as vLLM does); a malformed one, or an id
+outside the vocabulary, is a 400 naming logit_bias.
 """
 
 from __future__ import annotations
 
 import secrets
-from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from server import choices
 from server import params as P
 from server import sse
 from server.disconnect import Guarded, until_disconnect
 from server.errors import openai_error_body
 from server.service import (EFFORTS, APIError, ChatRequest, ContentDelta, Finish, Prepared, ReasoningDelta,
-                            Sampling, Service, ToolCallArgs, ToolCallStart)
+                            Sampling, Service, TokenLogprobs, ToolCallArgs, ToolCallStart)
 
 SYSTEM_FINGERPRINT = "tandem"
 
@@ -43,8 +54,9 @@ def routes(service: Service) -> list[Route]:
 class Options:
     """Response-side options of one request."""
 
-    def __init__(self, stream: bool, include_usage: bool, include_reasoning: bool):
+    def __init__(self, stream: bool, include_usage: bool, include_reasoning: bool, n: int = 1):
         self.stream, self.include_usage, self.include_reasoning = stream, include_usage, include_reasoning
+        self.n = n
 
 
 def sampling_fields(f: P.Fields) -> Sampling:
@@ -55,27 +67,26 @@ def sampling_fields(f: P.Fields) -> Sampling:
                     presence_penalty=f.number("presence_penalty", -2, 2),
                     frequency_penalty=f.number("frequency_penalty", -2, 2),
                     repetition_penalty=f.number("repetition_penalty", 0, 10, lo_open=True),
-                    seed=f.integer("seed", lo=-2**63, hi=2**64 - 1))
+                    seed=f.integer("seed", lo=-2**63, hi=2**64 - 1), logit_bias=f.logit_bias("logit_bias"))
 
 
-def refuse_unsupported(f: P.Fields, logprobs_int: bool = False) -> None:
-    n = f.integer("n", lo=1, hi=128)
-    if n is not None and n != 1:
-        raise P.bad("n > 1 is not supported by this server; send n requests instead", "n")
-    if logprobs_int:
-        if f.integer("logprobs", lo=0, hi=20) is not None:
-            raise P.bad("logprobs are not supported by this server", "logprobs")
-    else:
-        if f.boolean("logprobs"):
-            raise P.bad("logprobs are not supported by this server", "logprobs")
-        if f.integer("top_logprobs", lo=0, hi=20):
-            raise P.bad("top_logprobs are not supported by this server", "top_logprobs")
-    bias = f.object("logit_bias")
-    if bias:
-        for k, v in bias.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-                raise P.bad(f"invalid value for 'logit_bias.{k}': expected a number in [-100, 100]", f"logit_bias.{k}")
-        raise P.bad("logit_bias is not supported by this server", "logit_bias")
+def choices_field(f: P.Fields) -> int:
+    """n: how many choices (1..128, default 1), each an engine request (server/choices.py)."""
+    return f.integer("n", lo=1, hi=choices.MAX_CHOICES) or 1
+
+
+def chat_logprobs(f: P.Fields) -> int | None:
+    """logprobs (boolean) and top_logprobs (0..20) -> alternatives per token, None when off. As OpenAI,
+    top_logprobs > 0 without logprobs: true is an error."""
+    on = f.boolean("logprobs")
+    top = f.integer("top_logprobs", lo=0, hi=20)
+    if top and not on:
+        raise P.bad("invalid value for 'top_logprobs': it needs 'logprobs' set to true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def logprobs_object(entries: list | None) -> dict | None:
+    return None if entries is None else {"content": entries, "refusal": None}
 
 
 def stream_options(f: P.Fields, stream: bool) -> bool:
@@ -93,7 +104,9 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
         raise P.bad("'messages' must contain at least one message", "messages")
     stream = bool(f.boolean("stream"))
     include_usage = stream_options(f, stream)
-    refuse_unsupported(f)
+    n = choices_field(f)
+    sampling = sampling_fields(f)
+    sampling.logprobs = chat_logprobs(f)
     max_tokens = f.integer("max_tokens", lo=1)
     mct = f.integer("max_completion_tokens", lo=1)
     tools = P.tools(body.get("tools"))
@@ -122,9 +135,9 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
         messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel is not False,
         thinking=thinking, preserve_thinking=f.boolean("preserve_thinking"), thinking_budget=budget,
         chat_template_kwargs={k: v for k, v in kwargs.items() if v is not None},
-        max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling_fields(f),
+        max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling,
         model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
-    return req, Options(stream, include_usage, include_reasoning is not False)
+    return req, Options(stream, include_usage, include_reasoning is not False, n)
 
 
 def usage_object(usage: dict[str, int]) -> dict[str, Any]:
@@ -138,14 +151,24 @@ async def chat_completions(service: Service, request: Request) -> Response:
     body = await P.read_json(request)
     req, opts = parse(body, service)
     prepared = service.prepare(req)
-    service.submit(prepared)
+    preps = choices.copies(prepared, opts.n)
+    choices.submit_all(service, preps)
     cid = "chatcmpl-" + secrets.token_hex(12)
     if opts.stream:
-        return Guarded(sse.sse_response(_stream(service, prepared, opts, cid)), lambda: service.release(prepared))
+        return Guarded(sse.sse_response(_stream(service, preps, opts, cid)), lambda: choices.release_all(service, preps))
     try:
-        result = await until_disconnect(request.receive, service.complete(prepared))
+        results = await until_disconnect(request.receive, choices.complete_all(service, preps))
     finally:
-        service.release(prepared)
+        choices.release_all(service, preps)
+    return JSONResponse({
+        "id": cid, "object": "chat.completion", "created": prepared.created, "model": prepared.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": [{"index": i, "message": _message(service, opts, r), "logprobs": logprobs_object(r.logprobs),
+                     "finish_reason": r.finish.finish_reason} for i, r in enumerate(results)],
+        "usage": usage_object(choices.total_usage([r.finish.usage for r in results]))})
+
+
+def _message(service: Service, opts: Options, result) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
     if result.reasoning is not None and opts.include_reasoning:
         for name in service.reasoning_fields:
@@ -154,39 +177,43 @@ async def chat_completions(service: Service, request: Request) -> Response:
         message["tool_calls"] = [{"id": c["id"], "type": "function",
                                   "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for c in result.tool_calls]
-    return JSONResponse({
-        "id": cid, "object": "chat.completion", "created": prepared.created, "model": prepared.model,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish.finish_reason}],
-        "usage": usage_object(result.finish.usage)})
+    return message
 
 
-async def _stream(service: Service, prepared: Prepared, opts: Options, cid: str):
+async def _stream(service: Service, preps: list[Prepared], opts: Options, cid: str):
+    prepared = preps[0]
     base = {"id": cid, "object": "chat.completion.chunk", "created": prepared.created, "model": prepared.model,
             "system_fingerprint": SYSTEM_FINGERPRINT}
+    pending: list[list] = [[] for _ in preps]     # per choice: logprob entries that ride on its next chunk
+    usages: list = [None] * len(preps)
 
-    def chunk(delta: dict, finish: str | None = None) -> bytes:
-        return sse.event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    def chunk(i: int, delta: dict, finish: str | None = None) -> bytes:
+        lp = logprobs_object(pending[i][:]) if pending[i] else None
+        pending[i].clear()
+        return sse.event({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}],
                           "usage": None})
 
-    yield chunk({"role": "assistant", "content": ""})
+    for i in range(len(preps)):
+        yield chunk(i, {"role": "assistant", "content": ""})
     try:
-        async with aclosing(service.generate(prepared)) as deltas:
-            async for d in deltas:
-                if isinstance(d, ContentDelta):
-                    yield chunk({"content": d.text})
-                elif isinstance(d, ReasoningDelta):
-                    if opts.include_reasoning:
-                        yield chunk({name: d.text for name in service.reasoning_fields})
-                elif isinstance(d, ToolCallStart):
-                    yield chunk({"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
-                                                 "function": {"name": d.name, "arguments": ""}}]})
-                elif isinstance(d, ToolCallArgs):
-                    yield chunk({"tool_calls": [{"index": d.index, "function": {"arguments": d.fragment}}]})
-                elif isinstance(d, Finish):
-                    yield chunk({}, d.finish_reason)
-                    if opts.include_usage:
-                        yield sse.event({**base, "choices": [], "usage": usage_object(d.usage)})
+        async for i, d in choices.merged(service, preps):
+            if isinstance(d, TokenLogprobs):
+                pending[i] += d.entries
+            elif isinstance(d, ContentDelta):
+                yield chunk(i, {"content": d.text})
+            elif isinstance(d, ReasoningDelta):
+                if opts.include_reasoning:
+                    yield chunk(i, {name: d.text for name in service.reasoning_fields})
+            elif isinstance(d, ToolCallStart):
+                yield chunk(i, {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                                "function": {"name": d.name, "arguments": ""}}]})
+            elif isinstance(d, ToolCallArgs):
+                yield chunk(i, {"tool_calls": [{"index": d.index, "function": {"arguments": d.fragment}}]})
+            elif isinstance(d, Finish):
+                yield chunk(i, {}, d.finish_reason)
+                usages[i] = d.usage
+        if opts.include_usage:
+            yield sse.event({**base, "choices": [], "usage": usage_object(choices.total_usage(usages))})
     except APIError as e:
         yield sse.event(openai_error_body(e))
         return

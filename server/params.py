@@ -162,6 +162,30 @@ class Fields:
             raise self._type_error(key, "an object", v)
         return v
 
+    def logit_bias(self, key: str = "logit_bias", limit: int = 300) -> tuple[tuple[int, float], ...] | None:
+        """OpenAI logit_bias: an object {"token id": bias in [-100, 100]} (keys: decimal digit strings, at
+        most `limit` of them) -> sorted (id, bias) pairs; None when absent, null or empty. Whether the
+        ids are in the vocabulary is the engine's check (a 400 naming the field too)."""
+        v = self.object(key)
+        if not v:
+            return None
+        path = self.path(key)
+        if len(v) > limit:
+            raise bad(f"invalid value for '{path}': at most {limit} token ids may be biased, got {len(v)}", path)
+        out: dict[int, float] = {}
+        for k, b in v.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise bad(f"invalid key in '{path}': expected a token id (a string of at most 10 decimal digits), "
+                          f"got {k!r:.40}", path)
+            t = int(k)
+            if t in out:
+                raise bad(f"invalid key in '{path}': token id {t} appears twice", path)
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                got = f"{b:g}" if isinstance(b, (int, float)) and not isinstance(b, bool) else _json_type(b)
+                raise bad(f"invalid value for '{path}.{k}': expected a number in [-100, 100], got {got}", path)
+            out[t] = float(b)
+        return tuple(sorted(out.items()))
+
     def array(self, key: str, required: bool = False) -> list[Any] | None:
         v = self.get(key, required)
         if v is None:

@@ -63,6 +63,8 @@ class Sampling:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None     # (token id, bias) pairs (OpenAI logit_bias)
+    logprobs: int | None = None         # each generated token's logprob + this many alternatives; None: off
 
 
 @dataclass
@@ -171,6 +173,15 @@ class ToolCallEnd:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of generated tokens (requests with Sampling.logprobs set), in the order the
+    tokens were generated, yielded after the text deltas of the tokens before them: one dict per token
+    in the OpenAI chat shape {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]} (the
+    model's raw distribution; EOS and tokens inserted without sampling are left out)."""
+    entries: list[dict[str, Any]]
+
+
+@dataclass
 class Finish:
     """Last delta. finish_reason: stop | length | tool_calls | cancelled; usage has prompt_tokens,
     completion_tokens, total_tokens, reasoning_tokens, cached_tokens; matched_stop: the stop string,
@@ -186,7 +197,7 @@ class Finish:
     spec: dict | None = None
 
 
-Delta = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | Finish
+Delta = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | TokenLogprobs | Finish
 
 
 @dataclass
@@ -196,6 +207,7 @@ class Result:
     content: str | None
     tool_calls: list[dict[str, Any]]        # [{"id", "name", "arguments"}], arguments a JSON object string
     finish: Finish
+    logprobs: list[dict[str, Any]] | None = None    # Sampling.logprobs set: TokenLogprobs' entries, all of them
 
 
 # Recommended sampling per mode (Qwen3.5/3.6 model cards): applied to fields the client omitted,
@@ -460,6 +472,10 @@ class Service:
                 values[k] = v
         if "top_k" in values:
             values["top_k"] = max(0, int(values["top_k"]))        # -1 (vLLM's "off") -> 0
+        if getattr(req.sampling, "logit_bias", None):
+            values["logit_bias"] = req.sampling.logit_bias
+        if req.sampling.logprobs is not None:
+            values["logprobs"] = req.sampling.logprobs
         values.update(max_new_tokens=prepared.max_tokens, ignore_eos=bool(req.ignore_eos))
         if isinstance(req, ChatRequest) and req.tool_choice == "none" and req.tools and self.tool_call_id is not None:
             # the tools stay in the prompt (its cache), the call stays out of the output (api.md §6.9)
@@ -506,9 +522,13 @@ class Service:
         from contextlib import aclosing
 
         reasoning, content, calls, finish = [], [], {}, None
+        logprobs = [] if prepared.request.sampling.logprobs is not None else None
         async with aclosing(self.generate(prepared)) as deltas:
             async for d in deltas:
-                if isinstance(d, ReasoningDelta):
+                if isinstance(d, TokenLogprobs):
+                    if logprobs is not None:
+                        logprobs += d.entries
+                elif isinstance(d, ReasoningDelta):
                     reasoning.append(d.text)
                 elif isinstance(d, ContentDelta):
                     content.append(d.text)
@@ -519,7 +539,7 @@ class Service:
                 elif isinstance(d, Finish):
                     finish = d
         return Result("".join(reasoning) or None, "".join(content) or None,
-                      [calls[i] for i in sorted(calls)], finish)
+                      [calls[i] for i in sorted(calls)], finish, logprobs)
 
     # ---- accounting (called by server.generation and server.app) -------------------------------------
 

@@ -255,7 +255,7 @@ def test_keyed_noise_is_the_same_on_the_gpu(seed):
 def test_batched_sampling_candidates_equal_the_row_loop_on_the_gpu(seed):
     """ranks.sampler.local_candidates on a GPU: the batched form (the default there: one batch of device
     operations for all rows) gives the row loop's (score, index) bits on the same device, for mixed
-    greedy / tempered / penalised rows of a 248k vocabulary shard at an offset."""
+    greedy / tempered / penalised / biased rows of a 248k vocabulary shard at an offset."""
     from ranks.sampler import SeqSampler, local_candidates
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(9, 124_160, generator=gen) * 3.0).to(BF16).to("cuda")
@@ -263,7 +263,8 @@ def test_batched_sampling_candidates_equal_the_row_loop_on_the_gpu(seed):
     samplers = []
     for i in range(9):
         s = SeqSampler(temperature=temps[i % 4], seed=seed + i, repetition_penalty=1.3 if i % 3 == 0 else 1.0,
-                       frequency_penalty=0.3 if i % 3 == 0 else 0.0)
+                       frequency_penalty=0.3 if i % 3 == 0 else 0.0,
+                       bias={124_160 + 7 * i: 5.0, 124_160 + 100_000: -2.5, 3: 100.0} if i % 2 else {})
         s.observe([124_160 + 5, 124_160 + 5, 124_160 + 90_000, 3], 0)
         samplers.append(s)
     positions = [1_000 + 17 * i for i in range(9)]

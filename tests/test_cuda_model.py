@@ -406,9 +406,10 @@ def test_device_fed_steps_equal_host_fed_steps_without_a_host_sync(name, graphs,
     if sampling == "greedy":
         samplers = [SeqSampler(temperature=0.0) for _ in range(B)]
     else:
-        # banned ids too (tool_choice none): their -inf must not wait for the device either
+        # banned ids and a logit_bias too: their -inf / added values must not wait for the device either
         samplers = [SeqSampler(temperature=0.6 + 0.4 * b, seed=seed + b, repetition_penalty=1.3, presence_penalty=0.5,
-                               frequency_penalty=0.2, banned=(b + 1, spec.vocab_size - 1)) for b in range(B)]
+                               frequency_penalty=0.2, banned=(b + 1, spec.vocab_size - 1),
+                               bias=((b + 3, 2.5), (spec.vocab_size - 2, -1.5), (7, 4.0))) for b in range(B)]
     for t in range(steps):
         for b, s in enumerate(samplers):
             s.observe([int(ids[b])], t)

@@ -104,7 +104,8 @@ class Reference:
         units (score gap x temperature; raises _NearTie below `margin`)."""
         s = SeqSampler(temperature=p.temperature, top_k=min(p.top_k, self.V), top_p=p.top_p, min_p=p.min_p,
                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                       repetition_penalty=p.repetition_penalty, seed=p.seed, prompt_len=len(prompt))
+                       repetition_penalty=p.repetition_penalty, seed=p.seed, prompt_len=len(prompt),
+                       bias=p.logit_bias)
         s.observe(prompt, 0)
         gaps = []
 
@@ -391,6 +392,66 @@ def test_seeded_sampling_is_reproducible_across_batches_and_tp(dense, shared):
         for st in noise:
             assert st.result(timeout=TIMEOUT).error is None
         _idle(eng)
+
+
+def _bias_cases(ref: Reference, rng: random.Random, eos: set[int]) -> list[tuple[list[int], SamplingParams, list[int]]]:
+    """(prompt, params with a logit_bias, reference ids): +100 on an id that is neither the unbiased
+    first token nor an EOS id (greedy: generated first, and throughout); -100 on the unbiased first
+    token; moderate random biases (greedy, per-token sampling with penalties, top-p) whose reference
+    ids differ from the unbiased ones."""
+    for _ in range(50):
+        (prompt, ids), = ref.clear_prompts(rng, [rng.randint(5, 90)], 10)
+        target = rng.choice([t for t in range(ref.V) if t != ids[0] and t not in eos])
+        forced = greedy(10, logit_bias={target: 100.0})
+        avoid = greedy(10, logit_bias={ids[0]: -100.0})
+        try:
+            out = [(prompt, forced, ref.sample(prompt, forced, MARGIN)[0]),
+                   (prompt, avoid, ref.sample(prompt, avoid, MARGIN)[0])]
+        except _NearTie:
+            continue
+        break
+    else:                                                                # pragma: no cover
+        pytest.fail("no prompt without a near tie under the bias in 50 draws")
+    assert out[0][2][0] == target and out[1][2][0] != ids[0]
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, presence_penalty=0.4, repetition_penalty=1.2),
+             dict(temperature=0.9, top_p=0.9)]
+    for kw in kinds:
+        for _ in range(50):
+            p = [rng.randrange(ref.V) for _ in range(rng.randint(3, 120))]
+            bias = {rng.randrange(ref.V): round(rng.uniform(-6.0, 6.0), 3) for _ in range(40)}
+            plain = SamplingParams(max_new_tokens=16, ignore_eos=True, seed=rng.randrange(2**63), **kw)
+            biased = dataclasses.replace(plain, logit_bias=bias)
+            try:
+                want, _ = ref.sample(p, biased, MARGIN)
+            except _NearTie:
+                continue
+            if want != ref.sample(p, plain)[0]:
+                out.append((p, biased, want))
+                break
+        else:                                                            # pragma: no cover
+            pytest.fail(f"no clear biased case for {kw} in 50 draws")
+    return out
+
+
+def test_logit_bias_steers_tokens_as_the_reference_does(dense, shared):
+    """SamplingParams.logit_bias reaches the ranks' sampler: +100 on an id that is not the unbiased
+    argmax (nor an EOS id) is a greedy request's first token; -100 on the unbiased first token moves
+    greedy off it; moderate random biases give the reference's tokens (the same sampler on one
+    sequence in process, bias added before penalties) for greedy, per-token sampled and top-p
+    requests; submitted together (batched steps) at tp 1 and 2, and on device-fed steps."""
+    rng = random.Random(_seed("logit-bias"))
+    cases = _bias_cases(dense.ref, rng, set(spec_from_hf(dense.cfg).eos_token_ids))
+    fed = Engine.start(dense.dir, tp=1, options=dataclasses.replace(OPTS, device_feed=True))
+    try:
+        for name, eng in (("tp 1", shared(1)), ("tp 2", shared(2)), ("device-fed", fed)):
+            streams = [eng.submit(prompt, p) for prompt, p, _ in cases]
+            for (prompt, p, want), st in zip(cases, streams):
+                r = st.result(timeout=TIMEOUT)
+                assert r.error is None and r.tokens == want, (name, p.logit_bias, r.tokens, want)
+            _good_request(eng, dense)
+            _idle(eng)
+    finally:
+        fed.shutdown()
 
 
 def test_steps_planned_ahead_equal_steps_planned_after_each_result(dense, shared):
@@ -784,6 +845,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(dense, shared):
         ([1, 2.0, 3], greedy(1), "not an integer"),
         ([1, "7"], greedy(1), "not an integer"),
         ([1, 2], greedy(1, banned_token_ids=(3, V)), rf"banned token id {V}.*vocabulary"),
+        ([1, 2], greedy(1, logit_bias={3: 1.0, V: -1.0}), rf"^logit_bias token id {V}.*vocabulary"),
     ]
     for prompt, params, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -813,6 +875,9 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(dense, shared):
     ("repetition_penalty", 0.0), ("repetition_penalty", 10.5), ("max_new_tokens", 0), ("max_new_tokens", 2.0),
     ("seed", 1.5), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
     ("banned_token_ids", (1, -2)), ("banned_token_ids", (1.0,)), ("banned_token_ids", (True,)),
+    ("logit_bias", {1: 100.5}), ("logit_bias", {1: -101}), ("logit_bias", {1: float("nan")}), ("logit_bias", {-1: 0}),
+    ("logit_bias", {1.0: 2}), ("logit_bias", {True: 2}), ("logit_bias", {1: True}), ("logit_bias", {1: "2"}),
+    ("logit_bias", ((1, 2), (1, 3))), ("logit_bias", ((1, 2, 3),)), ("logit_bias", 5),
 ])
 def test_sampling_params_name_the_bad_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be ") as e:

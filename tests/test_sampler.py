@@ -459,6 +459,163 @@ def test_banned_ids_are_never_sampled(tp, seed):
     assert [int(cand[i, 1]) for i in per_token] == [want[i] for i in per_token]
 
 
+def _random_bias(rng: np.random.Generator, n: int, vocab: int, lo: float = -100.0, hi: float = 100.0,
+                 must: tuple[int, ...] = ()) -> dict[int, float]:
+    ids = set(must) | {int(t) for t in rng.choice(vocab, size=n, replace=False)}
+    return {t: float(rng.uniform(lo, hi)) for t in sorted(ids)}
+
+
+def test_logit_bias_is_added_to_the_raw_logits_on_every_shard(seed):
+    """SeqSampler.bias (OpenAI logit_bias): apply_penalties adds each value to its id's logit, on a whole
+    row and on vocabulary shards (offset != 0) whose concatenation is the whole-row result; the bias
+    comes before the penalties (vLLM's order: repetition divides / multiplies the biased logit,
+    presence / frequency subtract from it) and a banned id stays -inf; the input is not modified."""
+    rng = np.random.default_rng(seed)
+    row = torch.from_numpy(rng.normal(0.0, 2.0, V))                       # float64
+    bias = _random_bias(rng, 12, V, must=(0, V // 2 - 1, V // 2, V - 1))  # shard edges at tp 2
+    want = row.numpy().copy()
+    for t, v in bias.items():
+        want[t] += v                                                      # the independent formula
+    before = row.clone()
+    # the forms the sampler is built from: pairs, a dict, msgpack's list of lists
+    for form in (tuple(bias.items()), bias, [[t, v] for t, v in bias.items()]):
+        s = SeqSampler(temperature=0.0, bias=form)
+        assert s.bias == tuple(bias.items()) and s.adjusts_logits and not s.has_penalties
+        got = apply_penalties(row, s, 0)
+        assert np.array_equal(got.numpy(), want), np.abs(got.numpy() - want).max()
+        for n in (2, 4):
+            w = V // n
+            parts = [apply_penalties(row[r * w:(r + 1) * w], s, r * w) for r in range(n)]
+            assert np.array_equal(torch.cat(parts).numpy(), want)
+        # a shard that holds none of the biased ids is returned as it is (a copy)
+        far = apply_penalties(row[:8], SeqSampler(bias={V + 5: 50.0}), 10_000)
+        assert torch.equal(far, row[:8])
+    assert torch.equal(row, before), "apply_penalties must not modify its input"
+    # with penalties: on the biased logits
+    prompt = [int(t) for t in rng.choice(V, 6)]
+    output = [int(t) for t in rng.choice(list(bias), 4)] + [int(t) for t in rng.choice(V, 3)]
+    kw = dict(repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.3)
+    s = _sampler_after(prompt, output, bias=bias, **kw)
+    x = want.copy()
+    for t in set(prompt + output):
+        x[t] = x[t] / 1.7 if x[t] > 0 else x[t] * 1.7
+    for t in set(output):
+        x[t] -= 0.6 + 0.3 * output.count(t)
+    got = apply_penalties(row, s, 0)
+    assert np.allclose(got.numpy(), x, rtol=0, atol=1e-12)
+    w = V // 2
+    parts = [apply_penalties(row[r * w:(r + 1) * w], s, r * w) for r in range(2)]
+    assert torch.equal(torch.cat(parts), got)
+    # a banned id stays banned whatever its bias
+    t = next(iter(bias))
+    s = SeqSampler(bias=bias, banned=(t,))
+    got = apply_penalties(row, s, 0)
+    assert got[t] == float("-inf") and np.array_equal(np.delete(got.numpy(), t), np.delete(want, t))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logit_bias_steers_greedy_and_sampled_tokens(tp, seed):
+    """+100 on an id that is not the row's argmax makes greedy (temperature 0, and top_k 1) pick it, and
+    sampled rows too (per-token and whole-distribution); -100 on the argmax makes greedy pick the
+    second best; ids far from the row's scale change nothing else."""
+    R = 10
+    rng = np.random.default_rng(seed)
+    rows = torch.from_numpy(rng.normal(0.0, 2.0, (R, V))).float()
+    top2 = torch.topk(rows, 2, dim=-1).indices
+    targets = [int(rng.choice([t for t in range(V) if t != int(top2[i, 0])])) for i in range(R)]
+    kinds = [dict(temperature=0.0), dict(temperature=0.7, top_k=1), dict(temperature=0.9),
+             dict(temperature=1.0, top_p=0.9), dict(temperature=0.0, repetition_penalty=1.3)]
+    positions = [int(p) for p in rng.integers(0, 2**20, R)]
+
+    def samplers(bias_of):
+        out = []
+        for i in range(R):
+            smp = SeqSampler(seed=seed + i, bias=bias_of(i), **kinds[i % len(kinds)])
+            smp.observe([3, 3, 50], 0)
+            out.append(smp)
+        return out
+
+    got = sample_tp(rows, lambda: samplers(lambda i: {targets[i]: 100.0}), positions, tp)
+    assert all(g == targets for g in got), (got, targets)
+    greedy_rows = [i for i in range(R) if SeqSampler(**kinds[i % len(kinds)]).greedy]
+    got = sample_tp(rows, lambda: samplers(lambda i: {int(top2[i, 0]): -100.0}), positions, tp)
+    for i in greedy_rows:
+        x = rows[i].double().numpy().copy()
+        x[int(top2[i, 0])] -= 100.0
+        if "repetition_penalty" in kinds[i % len(kinds)]:          # the penalty acts on the biased logits
+            for t in (3, 50):
+                x[t] = x[t] / 1.3 if x[t] > 0 else x[t] * 1.3
+        else:
+            assert int(np.argmax(x)) == int(top2[i, 1])
+        for g in got:
+            assert g[i] == int(np.argmax(x)) != int(top2[i, 0]), (i, g[i], top2[i])
+
+
+@pytest.mark.parametrize("offset", [0, 4096])
+def test_batched_candidates_honour_the_bias_as_the_row_loop_does(offset, seed):
+    """The device path's batched local_candidates (device-fed steps) and the row-at-a-time loop give the
+    same (score, index) bits with logit_bias on mixed rows (greedy, temperatures, penalties, a ban;
+    bias ids inside and outside the shard); and the candidates equal those of unbiased samplers on
+    logits biased by hand, so the bias is really applied."""
+    from ranks.sampler import local_candidates
+    n, R = 300, 12
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.normal(0.0, 2.0, (R, n))).float()
+    temps = [0.0, 0.3, 0.7, 1.3, 2.5, 0.0]
+    biases = []
+    for i in range(R):
+        inside = {offset + int(t): float(rng.uniform(-8, 8)) for t in rng.choice(n, 20, replace=False)}
+        inside[offset + int(logits[i].argmax())] = -float(rng.uniform(1, 100))     # the unbiased best moves
+        outside = {offset + n + int(t): 100.0 for t in rng.choice(50, 3, replace=False)}
+        biases.append({**inside, **outside} if i % 5 != 4 else {})
+    positions = [int(p) for p in rng.integers(0, 2**20, R)]
+
+    def samplers(with_bias: bool):
+        out = []
+        for i in range(R):
+            pen = dict(repetition_penalty=1.2, presence_penalty=0.4) if i % 4 == 1 else {}
+            s = SeqSampler(temperature=temps[i % 6], seed=seed + i, bias=biases[i] if with_bias else (),
+                           banned=(offset + 7,) if i % 3 == 2 else (), **pen)
+            s.observe([offset + 3, offset + 3, offset + 250, 7], 0)
+            out.append(s)
+        return out
+
+    by_hand = logits.double()
+    for i, b in enumerate(biases):
+        for t, v in b.items():
+            if offset <= t < offset + n:
+                by_hand[i, t - offset] += v
+    for rows in (list(range(R)), [1, 2, 3, 4, 5, 7, 8, 9, 10, 11], [0, 5, 6]):
+        sub = [samplers(True)[i] for i in rows]
+        pos = [positions[i] for i in rows]
+        a = local_candidates(logits.clone(), sub, pos, rows, offset, batched=True)
+        b = local_candidates(logits.clone(), sub, pos, rows, offset, batched=False)
+        assert torch.equal(a, b), (rows, a, b)
+        plain = [samplers(False)[i] for i in rows]
+        c = local_candidates(by_hand.clone(), plain, pos, rows, offset, batched=True)
+        assert torch.equal(a, c), (rows, a, c)
+    assert not torch.equal(local_candidates(logits, samplers(True), positions, list(range(R)), offset, batched=False),
+                           local_candidates(logits, samplers(False), positions, list(range(R)), offset,
+                                            batched=False)), "the bias changed nothing"
+
+
+def test_with_tokens_carries_every_field_over():
+    """with_tokens (speculation: the sampler after each draft) copies every SeqSampler field, whatever
+    fields the class has, and gives the copy its own counts."""
+    import dataclasses
+    from ranks.sampler import with_tokens
+    s = SeqSampler(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, presence_penalty=0.5, frequency_penalty=0.25,
+                   repetition_penalty=1.1, seed=99, prompt_len=3, banned=(4,), bias={7: 2.5, 9: -1.0})
+    s.observe([1, 2, 3, 7], 0)
+    seen, output = dict(s.seen), dict(s.output)
+    c = with_tokens(s, [8, 8], 4)
+    for f in dataclasses.fields(SeqSampler):
+        if f.name not in ("seen", "output"):
+            assert getattr(c, f.name) == getattr(s, f.name), f.name
+    assert c.seen == {**seen, 8: 2} and c.output == {**output, 8: 2}
+    assert (s.seen, s.output) == (seen, output), "the original's counts changed"
+
+
 def test_fallback_statistics_are_right():
     """The scipy-free formulas: textbook critical values, and scipy itself where it is installed."""
     for x, dof, p in [(3.841459, 1, 0.05), (6.634897, 1, 0.01), (18.307038, 10, 0.05), (10.827566, 1, 0.001),

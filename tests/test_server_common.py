@@ -115,10 +115,14 @@ BAD_CHAT = [
     ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
     ({**CHAT, "max_completion_tokens": "many"}, "max_completion_tokens"),
     ({**CHAT, "seed": "x"}, "seed"),
-    ({**CHAT, "n": 2}, "n"),
-    ({**CHAT, "logprobs": True}, "logprobs"),
-    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "n": 129}, "n"),
+    ({**CHAT, "n": "two"}, "n"),
+    ({**CHAT, "logprobs": "yes"}, "logprobs"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),                     # needs logprobs: true
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
     ({**CHAT, "stream": "yes"}, "stream"),
     ({**CHAT, "stream_options": {"include_usage": "y"}, "stream": True}, "stream_options.include_usage"),
     ({**CHAT, "stop": 5}, "stop"),
@@ -151,7 +155,11 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": "tiny", "prompt": "x", "n": 1.5}, "n"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2, "echo": True}, "echo"),
     ({"model": "tiny", "prompt": "x", "echo": 1}, "echo"),
 ]
 
@@ -164,6 +172,51 @@ def test_bad_chat_fields_are_400_naming_the_field(srv, body, param):
 @pytest.mark.parametrize("body,param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
 def test_bad_completion_fields_are_400_naming_the_field(srv, body, param):
     assert_openai_error(post(srv, "/v1/completions", body), 400, param=param)
+
+
+# logit_bias: every malformed form is a 400 naming the field, on both routes (ids outside the
+# vocabulary are the engine's check: tests/test_server_openai.py, on the real engine)
+BAD_LOGIT_BIAS = [
+    ("not an object", "5"), ("an array", [[5, 10]]), ("a number", 5), ("true", True),
+    ("negative id", {"-1": 5}), ("not an id", {"abc": 5}), ("a float id", {"1.5": 5}), ("a padded id", {" 7": 5}),
+    ("an empty key", {"": 5}), ("a signed id", {"+7": 5}), ("an exponent id", {"1e3": 5}),
+    ("a unicode digit", {"\u0663": 5}), ("a huge id", {"9" * 5000: 5}), ("an id past 2**31", {"9999999999": 5}),
+    ("over 100", {"5": 100.0001}), ("under -100", {"5": -101}),
+    ("a string value", {"5": "10"}), ("a bool value", {"5": True}), ("a null value", {"5": None}),
+    ("an object value", {"5": {"v": 1}}), ("the same id twice", {"7": 1, "07": 2}),
+    ("301 ids", {str(i): 1 for i in range(301)}),
+]
+
+
+@pytest.mark.parametrize("value", [v for _, v in BAD_LOGIT_BIAS], ids=[n for n, _ in BAD_LOGIT_BIAS])
+def test_bad_logit_bias_is_400_naming_the_field_and_the_server_keeps_serving(srv, value):
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "tiny", "prompt": "x"})):
+        submitted = len(srv.engine.submitted)
+        err = assert_openai_error(post(srv, path, {**body, "logit_bias": value}), 400, param="logit_bias")
+        assert err["type"] == "invalid_request_error" and "logit_bias" in err["message"], err
+        assert len(srv.engine.submitted) == submitted, "a refused request reached the engine"
+    assert_serving(srv)
+
+
+def test_logit_bias_reaches_the_sampler(srv):
+    """A valid logit_bias becomes SamplingParams.logit_bias, (id, float bias) pairs by id; null and {}
+    are none; the bounds and 300 ids are allowed."""
+    import random
+    rng = random.Random()
+    bias = {str(t): rng.choice([rng.uniform(-100, 100), rng.randint(-100, 100)]) for t in rng.sample(range(1024), 20)}
+    bias[str(rng.randrange(1024, 2048))] = 100
+    want = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "tiny", "prompt": "x"})):
+        r = post(srv, path, {**body, "logit_bias": bias})
+        assert r.status_code == 200, r.text
+        assert srv.engine.submitted[-1].params.logit_bias == want
+        for none in (None, {}):
+            assert post(srv, path, {**body, "logit_bias": none}).status_code == 200
+            assert srv.engine.submitted[-1].params.logit_bias == ()
+        edge = {**{str(i): -100 for i in range(299)}, "299": 100}
+        assert post(srv, path, {**body, "logit_bias": edge}).status_code == 200
+        p = srv.engine.submitted[-1].params.logit_bias
+        assert len(p) == 300 and p[0] == (0, -100.0) and p[-1] == (299, 100.0)
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b'{"model": "\xff\xfe"}', b"[1, 2]", b"", b'{"model": NaN}',

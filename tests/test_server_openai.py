@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from types import SimpleNamespace
 
 import httpx
@@ -208,6 +209,39 @@ def test_real_prompt_over_the_context_is_context_length_exceeded(real, route):
     if route == "completions":
         assert f"your request has {CONTEXT} input tokens" in body["message"]
     assert real.client.completions.create(model="tiny", prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_real_logit_bias_forces_a_token_and_refuses_ids_outside_the_vocabulary(real, seed):
+    """logit_bias on the real engine: greedy with +100 on an id that is not the unbiased first token (nor a
+    stop id) generates that id first, and throughout (/v1/completions: the exact text; chat: in the
+    message); an id outside the model's vocabulary is the engine's refusal, a 400 naming logit_bias, on
+    both routes; the server keeps serving."""
+    rng = random.Random(seed)
+    V = min(real.engine.spec.vocab_size, real.tok.vocab_size)
+    prompt = [rng.randrange(10, 900) for _ in range(rng.randint(3, 40))]
+    base = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    plain = real.client.completions.create(**base).choices[0].text
+    words = [t for t in range(V) if t not in real.service.stop_token_ids and len(real.tok.decode([t]).strip()) >= 2
+             and real.tok.decode([t]).strip().isalpha() and not plain.startswith(real.tok.decode([t]))]
+    target = rng.choice(words)
+    r = real.client.completions.create(**base, logit_bias={str(target): 100})
+    assert r.choices[0].text == real.tok.decode([target] * 3) != plain
+    c = real.client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, temperature=0,
+                                            logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    m = c.choices[0].message
+    assert c.usage.completion_tokens == 3
+    assert real.tok.decode([target]).strip() in (m.content or "") + (getattr(m, "reasoning_content", None) or "")
+    for bad in (real.engine.spec.vocab_size, 10**9):
+        for route in ("chat", "completions"):
+            with pytest.raises(openai.BadRequestError) as e:
+                if route == "chat":
+                    real.client.chat.completions.create(model="tiny", messages=USER, logit_bias={"5": 1, str(bad): 1})
+                else:
+                    real.client.completions.create(**base, logit_bias={str(bad): -1})
+            body = e.value.body
+            assert body["type"] == "invalid_request_error" and body["param"] == "logit_bias", body
+            assert str(bad) in body["message"] and "vocabulary" in body["message"], body
+    assert real.client.completions.create(**base).choices[0].text == plain
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ranks.sampler import SeqSampler, accept_sampled, filtered_log_probs, gumbel
 from ranks.weights import write_checkpoint
 from runtime import Engine, EngineOptions, SamplingParams
 from runtime.config import spec_from_hf
-from tests.test_engine import HEADS, Reference, _seed
+from tests.test_engine import HEADS, MARGIN, Reference, _NearTie, _seed
 from tests.util import random_weights, tiny_config
 
 TIMEOUT = 120
@@ -261,6 +261,43 @@ def test_greedy_identical_to_plain(dense, cases, tp, K, p_right):
         assert sum(st["accepted_hist"]) == st["rounds"]
         assert st["position_drafted"][0] == st["rounds"]
         assert (eng.stats()["running"], eng.stats()["pages_used"]) == (0, 0)
+
+
+def test_logit_bias_holds_inside_rounds(dense, cases):
+    """A biased sequence's verification uses the bias: greedy requests with random logit_bias give the
+    reference's biased greedy ids (drafts right half the time, so acceptance and rejection both run
+    against biased targets), and a sampled request with +100 on one id generates only that id."""
+    d, ref = dense
+    rng = random.Random(_seed("spec-logit-bias"))
+    biased = []
+    for prompt, ids in cases[:4]:
+        for _ in range(50):
+            bias = {rng.randrange(ref.V): round(rng.uniform(-6.0, 6.0), 3) for _ in range(40)}
+            bias[ids[0]] = -100.0 if rng.random() < 0.5 else bias.get(ids[0], 0.0)
+            p = SamplingParams(temperature=0.0, max_new_tokens=len(ids), ignore_eos=True, logit_bias=bias)
+            try:
+                want, _ = ref.sample(prompt, p, MARGIN)
+            except _NearTie:
+                continue
+            if want != ids:
+                biased.append((prompt, p, want))
+                break
+        else:                                                            # pragma: no cover
+            pytest.fail("no clear biased greedy case in 50 draws")
+    target = rng.randrange(ref.V)
+    forced = SamplingParams(temperature=0.8, seed=rng.randrange(2**63), max_new_tokens=10, ignore_eos=True,
+                            logit_bias={target: 100.0})
+    hook = _hook({tuple(p): w for p, _, w in biased} | {tuple(cases[4][0]): [target] * 10}, 0.5, 1, ref.V)
+    with Engine.start(d, tp=1, options=EngineOptions(spec_draft_tokens=3, spec_draft_hook=hook, **OPTS)) as eng:
+        streams = [eng.submit(p, sp) for p, sp, _ in biased] + [eng.submit(cases[4][0], forced)]
+        for (p, sp, want), st in zip(biased, streams):
+            r = st.result(timeout=TIMEOUT)
+            assert r.error is None and r.tokens == want, (r.tokens, want)
+            assert r.spec["rounds"] >= 1
+        r = streams[-1].result(timeout=TIMEOUT)
+        assert r.error is None and r.tokens == [target] * 10 and r.spec["rounds"] >= 1
+        st = eng.stats()["spec"]
+        assert 0 < st["accepted"] < st["drafted"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 4     # 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 5     # 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -144,8 +144,9 @@ class StepPlan(Message):
     sample       [B] 1 when the step samples a token for the sequence (its last column is the last
                  known token), 0 for a prefill chunk that ends before the prompt does
     new_sampling {seq_id: sampler fields} for sequences admitted this step: temperature, top_k, top_p,
-                 min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, prompt_len
-                 (the keyword arguments of ranks.sampler.SeqSampler)
+                 min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, prompt_len, and
+                 when set banned ([id]) and bias ([[id, value]], logit_bias) (the keyword arguments of
+                 ranks.sampler.SeqSampler)
     finished     seq ids whose sampler state the ranks may drop
     """
     KIND: ClassVar[int] = 4
@@ -179,6 +180,9 @@ class StepResult(Message):
     counts: np.ndarray | None = None   # speculation: [S] tokens per sequence (1 + accepted drafts)
     drafts: np.ndarray | None = None   # speculation: [S, K] drafts for each sequence's next round
     fed: bool = False                  # its LAST_SAMPLED inputs came from the previous step's device ids
+    # logprobs (rows whose sampler asked): one entry per token of `tokens`, None for rows that did not
+    # ask, else [logprob, [[id, logprob], ...]] (ranks.sampler.token_logprobs)
+    logprobs: list | None = None
 
 
 @dataclass

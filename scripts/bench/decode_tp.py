@@ -28,6 +28,9 @@ starts a step before the coordinator waits for it), and the coordinator's own wo
 on the GPU feed the next step, launched before they reach the host), as rows "<transport>+feed",
 each held to the tp 1 run of the same setting; the share of fed steps is printed with them. The
 plain rows run with it off (the engine's default turns it on at tp 1).
+--logprobs K makes every request ask for its tokens' logprobs with K alternatives: the step then
+exchanges and merges them (ranks/sampler.py token_logprobs) and is neither device-fed nor a GPU
+speculation round; compare with a run without it for their cost.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 
 def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concurrency: list[int],
-        prompt_len: int, new_tokens: int, overlap_steps: bool = True, device_feed: bool = False) -> tuple[dict, dict]:
+        prompt_len: int, new_tokens: int, overlap_steps: bool = True, device_feed: bool = False,
+        logprobs: int | None = None) -> tuple[dict, dict]:
     """({C: step_s, wall_s, host}, {rank: its step_bytes parts (Ready)})."""
     from decode import decode_window
     opts = EngineOptions(max_concurrency=max(concurrency), random_weights=True, weights=weights,
@@ -68,7 +72,7 @@ def run(model_dir: str, vocab: int, tp: int, transport: str, weights: str, concu
                 prompt = [random.randrange(vocab) for _ in range(prompt_len)]
                 sub = time.perf_counter() - t0
                 evs = list(engine.submit(prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens,
-                                                                ignore_eos=True)))
+                                                                ignore_eos=True, logprobs=logprobs)))
                 if evs[-1].error:
                     raise RuntimeError(evs[-1].error)
                 results[i] = dict(evs[-1].timings, submitted_s=sub)
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
                     help="plan each step after the previous one's result (EngineOptions.overlap_steps=False)")
     ap.add_argument("--device-feed", action="store_true",
                     help="also run each configuration with EngineOptions.device_feed (rows <transport>+feed)")
+    ap.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="every request asks for logprobs with K alternatives (what they cost per step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = text_config(args.model, num_layers=args.layers)
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     context = args.prompt_len + args.new_tokens // 2              # the mean context of the timed steps
     res = dict(model=args.model, layers=args.layers, weights=args.weights, date=time.strftime("%Y-%m-%d"),
-               overlap_steps=args.overlap_steps, device_feed=args.device_feed,
+               overlap_steps=args.overlap_steps, device_feed=args.device_feed, logprobs=args.logprobs,
                device=torch.cuda.get_device_name(0), read_Bps=bw, context=context, runs=[])
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bw / 1e12:.2f} TB/s (GPU 0)", flush=True)
     for weights in args.weights:
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
                         os.environ["TANDEM_BENCH_SKIP_ALLREDUCE"] = "1"
                     r, parts = run(d, cfg["vocab_size"], tp, {"none": "cpu", "skip": "mailbox"}.get(kind, kind),
                                    weights, args.concurrency, args.prompt_len, args.new_tokens, args.overlap_steps,
-                                   device_feed=transport.endswith("+feed"))
+                                   device_feed=transport.endswith("+feed"), logprobs=args.logprobs)
                 except Exception as e:                     # report and go on with the other configurations
                     print(f"{weights} tp {tp} {transport}: failed: {e}", flush=True)
                     res["runs"].append(dict(weights=weights, tp=tp, transport=transport, error=str(e)))

@@ -1,0 +1,106 @@
+"""n > 1 (OpenAI chat and completions): a request's n choices as n engine requests.
+
+The prompt is rendered and tokenised once (Service.prepare); `copies` makes the n Prepared that share
+it, choice i with seed + i when the request gave a seed (so the choices differ and a repeat of the
+request gives the same n), else each with its own random seed. They are submitted together (one
+refused -> the others are released and the refusal is the response), run concurrently, and `merged`
+interleaves their deltas by arrival, tagged with the choice index. Usage counts the prompt once and the
+completion tokens of every choice (as OpenAI's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from server.service import Delta, Prepared, Service
+
+MAX_CHOICES = 128                      # OpenAI's bound on n
+
+
+def copies(prepared: Prepared, n: int) -> list[Prepared]:
+    """The n Prepared of a request (the first is `prepared` itself)."""
+    out = [prepared]
+    seed = prepared.params.seed
+    for i in range(1, n):
+        params = prepared.params
+        if seed is not None:
+            s = seed + i
+            params = dataclasses.replace(params, seed=s - 2**64 if s >= 2**64 else s)
+        out.append(dataclasses.replace(prepared, params=params, request_id=f"{prepared.request_id}.{i}",
+                                       submitted=None, claimed=False, orphan_guard=None))
+    return out
+
+
+def submit_all(service: Service, preps: list[Prepared]) -> None:
+    """Submit every choice; when one is refused, release those already submitted and raise its error."""
+    done = []
+    try:
+        for p in preps:
+            service.submit(p)
+            done.append(p)
+    except BaseException:
+        release_all(service, done)
+        raise
+
+
+def release_all(service: Service, preps: list[Prepared]) -> None:
+    for p in preps:
+        service.release(p)
+
+
+_END = object()
+
+
+async def merged(service: Service, preps: list[Prepared]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every choice's Service.generate as they come; each choice's deltas in
+    order, its Finish last. The first error of any choice is raised (the others are closed, which cancels
+    them in the engine)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, p: Prepared) -> None:
+        try:
+            async with aclosing(service.generate(p)) as deltas:
+                async for d in deltas:
+                    await queue.put((i, d, None))
+        except Exception as e:                      # noqa: BLE001 - handed to the consumer
+            await queue.put((i, None, e))
+        finally:
+            queue.put_nowait((i, _END, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(preps)]
+    try:
+        left = len(tasks)
+        while left:
+            i, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is _END:
+                left -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def complete_all(service: Service, preps: list[Prepared]) -> list:
+    """Service.complete of every choice, concurrently; the first error cancels the others."""
+    tasks = [asyncio.create_task(service.complete(p)) for p in preps]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(usages: list[dict]) -> dict:
+    """Usage of n choices: the prompt once, the completion (and reasoning) tokens of all."""
+    first = usages[0]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion,
+            "reasoning_tokens": sum(u.get("reasoning_tokens", 0) for u in usages)}

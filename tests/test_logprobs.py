@@ -1,0 +1,236 @@
+"""Log-probabilities of generated tokens (SamplingParams.logprobs, the APIs' logprobs / top_logprobs).
+
+1. ranks.sampler.token_logprobs over vocabulary shards (tp 1, 2, 3 ranks as threads) against float64
+   log_softmax of the whole row: the chosen token's value, the top-k ids and values, the same on every rank.
+2. Through the Engine (rank processes, tp 1 and 2; plain steps, steps planned ahead, MTP speculation):
+   every generated token's entry against transformers' float64 log_softmax of the same checkpoint's
+   logits with the prompt and the generated tokens teacher-forced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from ranks.sampler import token_logprobs
+from ranks.weights import write_checkpoint
+from runtime import Engine, EngineOptions, SamplingParams
+from runtime.config import spec_from_hf
+from tests.test_engine import HEADS, _seed
+from tests.util import random_weights, tiny_config
+
+TIMEOUT = 120
+OPTS = dict(max_concurrency=8, max_pending=64, prefill_chunk=64, max_step_tokens=256, max_context=1024,
+            threads_per_rank=1, startup_timeout_s=180)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. The merge over vocabulary shards
+
+
+class _ThreadGather:
+    """all_gather between threads standing in for ranks: [tp, *shape] float32, like the mailbox's."""
+
+    def __init__(self, tp: int):
+        self.tp, self.parts, self.barrier = tp, [None] * tp, threading.Barrier(tp)
+
+    def for_rank(self, r: int):
+        def gather(t):
+            self.parts[r] = t.detach().float().clone()
+            self.barrier.wait()
+            out = torch.stack(self.parts)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def _sharded(logits: torch.Tensor, tokens: list[int], tops: list[int], tp: int) -> list[list]:
+    n = logits.shape[1] // tp
+    g, results, errors = _ThreadGather(tp), [None] * tp, []
+
+    def run(r):
+        try:
+            results[r] = token_logprobs(logits[:, r * n:(r + 1) * n], tokens, tops, rank=r, tp=tp, gather=g.for_rank(r))
+        except Exception as e:                                      # noqa: BLE001 - reported below
+            errors.append(e)
+            g.barrier.abort()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for r in range(1, tp):
+        assert results[r] == results[0], f"rank {r} merged differently from rank 0"
+    return results[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_token_logprobs_over_shards_equal_log_softmax(tp, seed):
+    g = torch.Generator().manual_seed(seed)
+    R, V = 6, 3 * 2 * 97                                            # divisible by every tp
+    logits = (torch.randn(R, V, generator=g) * 3.0).float()
+    tokens = torch.randint(0, V, (R,), generator=g).tolist()
+    tokens[0] = int(torch.argmax(logits[0]))                         # a chosen argmax and random others
+    tops = [0, 1, 5, 20, 3, 20]
+    got = _sharded(logits, tokens, tops, tp)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for r in range(R):
+        lp, alts = got[r]
+        assert math.isclose(lp, float(ref[r, tokens[r]]), abs_tol=2e-5), (r, lp, float(ref[r, tokens[r]]))
+        assert len(alts) == tops[r]
+        want = torch.topk(ref[r], tops[r]) if tops[r] else None
+        if want is not None:
+            assert [a[0] for a in alts] == want.indices.tolist()
+            for (i, v), w in zip(alts, want.values.tolist()):
+                assert math.isclose(v, w, abs_tol=2e-5) and math.isclose(v, float(ref[r, i]), abs_tol=2e-5)
+            assert all(alts[j][1] >= alts[j + 1][1] for j in range(len(alts) - 1))
+
+
+def test_token_logprobs_ties_go_to_the_lower_id():
+    logits = torch.tensor([[1.0, 3.0, 0.5, 3.0, -2.0, 3.0]])
+    got = _sharded(logits, [5], [3], 2)
+    assert [a[0] for a in got[0][1]] == [1, 3, 5]
+    assert math.isclose(got[0][0], got[0][1][2][1], abs_tol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Through the engine, against transformers
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    cfg = tiny_config(False, **HEADS)
+    spec = spec_from_hf(cfg)
+    w = random_weights(spec, _seed("engine-logprobs"))
+    d = str(tmp_path_factory.mktemp("logprobs"))
+    write_checkpoint(d, w, prefix="model.")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d, spec
+
+
+@pytest.fixture(scope="module")
+def hf(dense):
+    transformers = pytest.importorskip("transformers", minversion="5.2")
+    return transformers.Qwen3_5ForCausalLM.from_pretrained(dense[0], dtype=torch.float64).eval()
+
+
+def _check_against_hf(hf, prompt: list[int], tokens: list[int], entries: list, k: int, tol: float = 2e-3) -> None:
+    """Each entry = [logprob of tokens[i], top-k [[id, logprob]]] of position len(prompt) + i - 1. tol: float32
+    ranks against a float64 reference differ by ~1e-4 on these random models; bfloat16 on a GPU by ~1e-2."""
+    assert entries is not None and len(entries) == len(tokens)
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(input_ids=ids).logits[0, len(prompt) - 1:].double(), dim=-1)
+    for i, (t, (v, alts)) in enumerate(zip(tokens, entries)):
+        row = lp[i]
+        assert abs(v - float(row[t])) < tol, f"token {i}: {v} != {float(row[t])}"
+        assert len(alts) == k
+        top = torch.topk(row, k + 1)
+        vals = top.values.tolist()
+        for j, (a, av) in enumerate(alts):
+            assert abs(av - float(row[a])) < tol
+            assert abs(av - vals[j]) < tol                           # the j-th best value (ids may swap at ties)
+        if k and vals[k - 1] - vals[k] > 5 * tol:                    # the set is clear: the same ids
+            assert {a for a, _ in alts} == set(top.indices[:k].tolist())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_logprobs_equal_transformers(dense, hf, tp):
+    d, spec = dense
+    rng = random.Random(_seed(f"logprobs-engine-{tp}"))
+    cases = [([rng.randrange(spec.vocab_size) for _ in range(n)], params) for n, params in (
+        (5, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=5)),
+        (70, SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_new_tokens=10, ignore_eos=True, logprobs=0)),
+        (17, SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=5, max_new_tokens=9, ignore_eos=True,
+                            logprobs=20)),
+        (9, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)),        # did not ask
+    )]
+    with Engine.start(d, tp=tp, options=EngineOptions(**OPTS)) as eng:
+        streams = [eng.submit(p, params) for p, params in cases]
+        for (p, params), st in zip(cases, streams):
+            events = list(st)
+            r_tokens = [t for ev in events for t in ev.tokens]
+            if params.logprobs is None:
+                assert all(ev.logprobs is None for ev in events)
+                continue
+            entries = [e for ev in events if ev.tokens for e in ev.logprobs]
+            assert all(ev.logprobs is None or len(ev.logprobs) == len(ev.tokens) for ev in events)
+            _check_against_hf(hf, p, r_tokens, entries, params.logprobs)
+        # the sampled token is the one the entry describes: greedy picks the top alternative
+        p, params = cases[0]
+        r = eng.submit(p, params).result(timeout=TIMEOUT)
+        assert r.logprobs is not None and len(r.logprobs) == len(r.tokens)
+        for t, (v, alts) in zip(r.tokens, r.logprobs):
+            assert alts[0][0] == t and alts[0][1] == v
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_with_speculation_and_other_step_modes(dense, hf, tp):
+    """Speculation rounds emit several tokens per step: each gets the entry of its verification column;
+    steps planned after each result, and device-fed steps (a step with a logprobs row is not fed)."""
+    d, spec = dense
+    rng = random.Random(_seed(f"logprobs-spec-{tp}"))
+    prompts = [[rng.randrange(spec.vocab_size) for _ in range(n)] for n in (3, 66, 12)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, max_new_tokens=11, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)]
+    for opts in (EngineOptions(spec_draft_tokens=3, **OPTS), EngineOptions(overlap_steps=False, **OPTS),
+                 EngineOptions(device_feed=True, **OPTS)):
+        with Engine.start(d, tp=tp, options=opts) as eng:
+            streams = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
+            results = [st.result(timeout=TIMEOUT) for st in streams]
+            for p, sp, r in zip(prompts, params, results):
+                assert r.error is None and len(r.tokens) == sp.max_new_tokens
+                if sp.logprobs is None:
+                    assert r.logprobs is None
+                else:
+                    _check_against_hf(hf, p, r.tokens, r.logprobs, sp.logprobs)
+            if opts.spec_draft_tokens:
+                assert eng.stats()["spec"]["rounds"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec_k", [0, 3])
+def test_engine_logprobs_on_the_gpu(dense, hf, spec_k):
+    """The CUDA backend (bfloat16, device-side shards, the GPU speculation path for logprob rows): the same
+    entries as transformers' float64 within bfloat16 bounds."""
+    d, spec = dense
+    rng = random.Random(_seed(f"logprobs-gpu-{spec_k}"))
+    cases = [([rng.randrange(spec.vocab_size) for _ in range(n)], sp) for n, sp in (
+        (6, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=4)),
+        (40, SamplingParams(temperature=0.8, top_k=50, seed=9, max_new_tokens=10, ignore_eos=True, logprobs=2)),
+        (11, SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)),
+    )]
+    opts = EngineOptions(spec_draft_tokens=spec_k, **OPTS)
+    with Engine.start(d, tp=1, device="cuda", dtype="bfloat16", options=opts) as eng:
+        streams = [eng.submit(p, sp) for p, sp in cases]
+        for (p, sp), st in zip(cases, streams):
+            r = st.result(timeout=TIMEOUT)
+            assert r.error is None and len(r.tokens) == sp.max_new_tokens
+            if sp.logprobs is None:
+                assert r.logprobs is None
+            else:
+                _check_against_hf(hf, p, r.tokens, r.logprobs, sp.logprobs, tol=0.1)
+
+
+def test_logprobs_bounds_are_checked():
+    for bad in (-1, 21, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+    assert SamplingParams(logprobs=20).logprobs == 20 and SamplingParams(logprobs=0).logprobs == 0

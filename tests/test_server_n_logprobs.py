@@ -1,0 +1,236 @@
+"""n > 1 and logprobs over HTTP, through the `openai` SDK, on the real engine (a random tiny checkpoint, tp 1).
+
+n: choice i of a seeded request is the single request with seed + i (so the n choices are independent
+draws, each reproducible alone); streamed choices interleave and concatenate to the non-streamed ones;
+usage counts the prompt once; a client that leaves a stream cancels every choice.
+logprobs (chat: logprobs + top_logprobs; completions: logprobs 0..5): the values themselves are checked
+against transformers in tests/test_logprobs.py; here the shapes the SDK parses, one entry per generated
+token whose bytes make up the text, the sampled token among its alternatives, stream == non-stream, and
+requests that do not ask get null."""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from runtime import Engine, EngineOptions
+from runtime.tokenizer import Tokenizer, generation_defaults
+from server.app import create_app
+from server.service import Service
+from tests.server_util import running, tiny_model_dir
+
+CONTEXT = 512
+USER = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def real():
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    engine = Engine.start(d, options=EngineOptions(max_concurrency=4, max_context=CONTEXT, prefill_chunk=128,
+                                                   max_step_tokens=256, threads_per_rank=1))
+    try:
+        service = Service(engine, tok, "tiny", CONTEXT, generation_defaults(d))
+        with running(create_app(service)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            yield SimpleNamespace(url=url, client=client, tok=tok, engine=engine)
+    finally:
+        engine.shutdown()
+
+
+def _check_entry(e, k: int) -> None:
+    assert e.logprob <= 1e-9 and math.isfinite(e.logprob)
+    assert e.bytes is not None and bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+    assert len(e.top_logprobs) == k
+    vals = [a.logprob for a in e.top_logprobs]
+    assert vals == sorted(vals, reverse=True)
+    if k:
+        assert e.logprob <= vals[0] + 1e-6                       # nothing beats the best alternative
+        # the sampled token, when among the alternatives, carries the same value
+        for a in e.top_logprobs:
+            if bytes(a.bytes) == bytes(e.bytes):
+                assert abs(a.logprob - e.logprob) < 1e-6 or a.token == "\ufffd"
+
+
+def test_chat_logprobs_greedy_stream_equals_nonstream(real):
+    kw = dict(model="tiny", messages=USER, max_tokens=16, temperature=0, logprobs=True, top_logprobs=4,
+              extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    r = real.client.chat.completions.create(**kw)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 16
+    for e in entries:
+        _check_entry(e, 4)
+        assert bytes(e.top_logprobs[0].bytes) == bytes(e.bytes)   # greedy: the sampled token is the best
+        assert e.top_logprobs[0].logprob == e.logprob
+    m = r.choices[0].message
+    joined = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", errors="replace")
+    if "<" not in joined and "\ufffd" not in joined and not getattr(m, "reasoning_content", None) \
+            and not m.tool_calls:
+        assert joined == m.content                                # no markup: the tokens are the text
+    streamed = []
+    for chunk in real.client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.content:
+                streamed += ch.logprobs.content
+    assert [(e.token, e.logprob, [a.logprob for a in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [a.logprob for a in e.top_logprobs]) for e in entries]
+
+
+def test_chat_logprobs_sampled_with_zero_alternatives(real):
+    r = real.client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=1.0, seed=3,
+                                            logprobs=True, extra_body={"ignore_eos": True})
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 10
+    for e in entries:
+        _check_entry(e, 0)
+
+
+def test_no_logprobs_unless_asked(real):
+    r = real.client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs is None
+    r = real.client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, temperature=0, logprobs=False,
+                                            top_logprobs=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs is None
+    c = real.client.completions.create(model="tiny", prompt="abc", max_tokens=4, extra_body={"ignore_eos": True})
+    assert c.choices[0].logprobs is None
+
+
+def test_completions_logprobs_text_offsets_and_stream(real):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0.7, seed=11, logprobs=3,
+              extra_body={"ignore_eos": True})
+    r = real.client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert n == 12 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    at = 0
+    for tok, v, top, off in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert off == at and v <= 1e-9
+        assert 1 <= len(top) <= 3 and all(x <= 1e-9 for x in top.values())
+        assert v <= max(top.values()) + 1e-6
+        at += len(tok)
+    if "\ufffd" not in "".join(lp.tokens):
+        assert "".join(lp.tokens) == r.choices[0].text
+    chunks = list(real.client.completions.create(stream=True, **kw))
+    got = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for ch in c.choices:
+            if ch.logprobs is not None:
+                for key in got:
+                    got[key] += getattr(ch.logprobs, key)
+    assert got == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
+
+
+def test_bad_logprobs_requests_are_400_and_the_server_keeps_serving(real):
+    bad = [
+        ("chat", dict(messages=USER, top_logprobs=2), "top_logprobs"),
+        ("chat", dict(messages=USER, logprobs=True, top_logprobs=21), "top_logprobs"),
+        ("completions", dict(prompt="x", logprobs=9), "logprobs"),
+        ("completions", dict(prompt="x", logprobs=1, echo=True), "echo"),
+    ]
+    for route, body, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            if route == "chat":
+                real.client.chat.completions.create(model="tiny", max_tokens=2, **body)
+            else:
+                real.client.completions.create(model="tiny", max_tokens=2, **body)
+        assert e.value.body["param"] == param, e.value.body
+    r = real.client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, logprobs=True, top_logprobs=1,
+                                            extra_body={"ignore_eos": True})
+    assert len(r.choices[0].logprobs.content) == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# n > 1
+
+
+def _chat_stream(client, **kw) -> dict:
+    """Per choice index: content, finish reasons, logprob entries; and the one usage chunk."""
+    out = {"content": {}, "finish": {}, "logprobs": {}, "usage": None, "first": {}}
+    for k, c in enumerate(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)):
+        if not c.choices:
+            assert out["usage"] is None
+            out["usage"] = c.usage
+            continue
+        for ch in c.choices:
+            i = ch.index
+            assert i not in out["finish"], "a chunk after the choice's finish chunk"
+            if i not in out["first"]:
+                out["first"][i] = ch.delta.role
+            out["content"][i] = out["content"].get(i, "") + (ch.delta.content or "")
+            if ch.logprobs is not None and ch.logprobs.content:
+                out["logprobs"].setdefault(i, []).extend(ch.logprobs.content)
+            if ch.finish_reason:
+                out["finish"][i] = ch.finish_reason
+    return out
+
+
+def test_chat_n_choices_are_the_seeded_single_requests(real):
+    kw = dict(model="tiny", messages=USER, max_tokens=10, temperature=1.0,
+              extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    r = real.client.chat.completions.create(n=3, seed=41, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    for i, text in enumerate(texts):
+        alone = real.client.chat.completions.create(seed=41 + i, **kw)
+        assert alone.choices[0].message.content == text, f"choice {i} is not the request with seed {41 + i}"
+        assert r.choices[i].finish_reason == "length"
+    assert len(set(texts)) > 1, "three seeded draws of a random model came out the same"
+    assert r.usage.completion_tokens == 30
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 30
+    s = _chat_stream(real.client, n=3, seed=41, **kw)
+    assert [s["content"][i] for i in range(3)] == texts
+    assert s["finish"] == {0: "length", 1: "length", 2: "length"} and set(s["first"].values()) == {"assistant"}
+    assert s["usage"].completion_tokens == 30 and s["usage"].prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_n_greedy_choices_agree_and_carry_their_logprobs(real):
+    kw = dict(model="tiny", messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    r = real.client.chat.completions.create(n=2, **kw)
+    a, b = r.choices
+    assert a.message.content == b.message.content
+    assert [e.logprob for e in a.logprobs.content] == [e.logprob for e in b.logprobs.content]
+    assert len(a.logprobs.content) == 6
+    s = _chat_stream(real.client, n=2, **kw)
+    assert [e.logprob for e in s["logprobs"][1]] == [e.logprob for e in b.logprobs.content]
+
+
+def test_completions_n_and_best_of_equal_to_n(real):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0.9, seed=5,
+              extra_body={"ignore_eos": True})
+    r = real.client.completions.create(n=2, best_of=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 16
+    for i in range(2):
+        alone = real.client.completions.create(**{**kw, "seed": 5 + i})
+        assert alone.choices[0].text == r.choices[i].text
+    text = {0: "", 1: ""}
+    for c in real.client.completions.create(n=2, stream=True, **kw):
+        for ch in c.choices:
+            text[ch.index] += ch.text
+    assert [text[0], text[1]] == [c.text for c in r.choices]
+
+
+def test_leaving_an_n_stream_cancels_every_choice(real):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=real.url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                seen += line.startswith("data:")
+                if seen >= 8:
+                    break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        st = real.engine.stats()
+        if st["running"] == 0 and st["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    st = real.engine.stats()
+    assert (st["running"], st["waiting"], st["slots_used"]) == (0, 0, 0), st
