@@ -466,7 +466,8 @@ def token_logprobs(logits: Tensor, tokens: list[int], tops: list[int], *, rank: 
     Each rank sends, per row, its shard's logsumexp, the chosen token's logit (-inf when the id is
     another rank's) and its shard's top max(tops) (logit, id) pairs, float32, in one exchange; the
     merge (float64) is the same on every rank. Returns per row [logprob, [[id, logprob], ...]], the
-    alternatives by decreasing logprob, ties to the lower id. Collective."""
+    alternatives by decreasing logprob, equal values by id (which of several ids tied at the k-th
+    value make the list is torch.topk's choice on each shard). Collective."""
     R, n = logits.shape
     if R == 0:
         return []

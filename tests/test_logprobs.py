@@ -221,8 +221,10 @@ def test_token_logprobs_on_the_gpu_equal_log_softmax(tp, seed):
     for r in range(R):
         assert abs(got[r][0] - float(ref[r, tokens[r]])) < 1e-4
         want = torch.topk(ref[r], tops[r])
-        assert [a[0] for a in got[r][1]] == want.indices.tolist()
+        # bfloat16 logits tie often at 248k ids: the values must be the top ones, each id's its own
         assert max((abs(a[1] - w) for a, w in zip(got[r][1], want.values.tolist())), default=0.0) < 1e-4
+        assert all(abs(v - float(ref[r, i])) < 1e-4 for i, v in got[r][1])
+        assert len({i for i, _ in got[r][1]}) == tops[r]
 
 
 @pytest.fixture(scope="module")
