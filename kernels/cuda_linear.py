@@ -83,6 +83,12 @@ PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # (tp 1: 11.42 ms).
 PIPE_BLOCKS_PER_SM = 2
 PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
+# Launches of 9..32 columns (two or four column tiles) run gemv_*_xs16 / xs32, which stage x in shared
+# memory per block (gemv.cu), instead of gemv_*_tc16 / tc32, which read it from L1 / L2 in every warp.
+# TANDEM_GEMV_STAGED=0 (read at every launch plan) keeps the tc kernels. Their ks is capped so that an
+# iteration's x fits the staging buffer: ks * 4 chunks * elements per chunk <= XS_KT.
+STAGED_ENV = "TANDEM_GEMV_STAGED"
+XS_KT = 256
 
 
 def gemv_variant() -> str:
@@ -99,6 +105,14 @@ def ks_rule() -> str:
     if v not in KS_RULES:
         raise L.KernelError(f"{KS_ENV}={v!r}: expected one of {', '.join(KS_RULES)}")
     return v
+
+
+def staged_x() -> bool:
+    """Whether launches of 9..32 columns take the x-staging kernels (TANDEM_GEMV_STAGED, default on)."""
+    v = os.environ.get(STAGED_ENV) or "1"
+    if v not in ("0", "1"):
+        raise L.KernelError(f"{STAGED_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def pipe_applies(kind: str, I: int, T: int) -> bool:
@@ -222,9 +236,13 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
         ks_cap *= 2
     ks_blocks = _pick_ks(tiles, ks_cap, sm_count)
     ks = ks_cap if T == 1 and FORCE_KS is None and ks_rule() != "blocks" else ks_blocks
-    blocks = -(-tiles // (WARPS // ks))
     nb = next(n for n in _TC_TILES if 8 * n >= T)
-    return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}", "nt": 8 * nb, "ks": ks,
+    name = f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}"
+    if nb > 1 and staged_x():
+        ks = min(ks, XS_KT // (4 * _EPC[kind]))
+        name = f"gemv_{_KIND_TAG[kind]}_xs{_TC_TILES[nb]}"
+    blocks = -(-tiles // (WARPS // ks))
+    return {"path": "gemv", "kind": kind, "kernel": name, "nt": 8 * nb, "ks": ks,
             "ks_blocks": ks_blocks, "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,),
             "T": T}
 

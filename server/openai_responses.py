@@ -15,6 +15,15 @@ response object, so the item ids of `output_item.done` are those of `response.co
 streamed == non-streamed.
 `previous_response_id` chains through a bounded in-memory store (LRU + TTL) of stored responses; each
 record keeps only its own turn and a reference to its parent record, so chains cost no copies.
+
+Log-probabilities: `include` containing "message.output_text.logprobs" turns them on, with `top_logprobs`
+(0..20, default 0) alternatives per token; a `top_logprobs` > 0 without that include turns them on too
+(our leniency: OpenAI documents the include, and vLLM returns none without it). Each `output_text`
+part's `logprobs` then lists its message text's tokens in the chat shape {token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}, under the model's raw distribution (before temperature and
+filters, as Chat Completions); tokens of reasoning, tool calls and markup are in no part (see
+server.responses_output). A `top_logprobs` out of range or not an integer is a 400 naming it; the
+response object echoes `top_logprobs` as sent. Requests that do not ask get `logprobs: []`.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from server.sse import event, sse_response
 log = logging.getLogger(__name__)
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+MAX_TOP_LOGPROBS = 20
 
 @contextlib.contextmanager
 def _input_errors():
@@ -318,6 +329,16 @@ def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
     return None if value is None else float(value)
 
 
+def _logprobs(body: dict, include: list) -> tuple[int | None, int | None]:
+    """-> (alternatives per token for Sampling.logprobs, None when off; top_logprobs as sent, for the echo).
+    On with include "message.output_text.logprobs" (then top_logprobs or 0 alternatives), or with a
+    top_logprobs > 0 alone (lenient: a client that asks for alternatives wants the logprobs)."""
+    top = _get(body, "top_logprobs", (int,))
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return ((top or 0) if OUTPUT_LOGPROBS in include or top else None), top
+
+
 def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count_only: bool = False
                   ) -> ResponsesRequest:
     """A Responses request body -> ResponsesRequest; APIError 400 naming the field (param)."""
@@ -342,6 +363,7 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     summary = _get(reasoning, "summary", (str,), "reasoning.") or _get(reasoning, "generate_summary", (str,),
                                                                         "reasoning.")
     include = _get(body, "include", (list,)) or []
+    logprobs, top_logprobs = _logprobs(body, include)
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     parallel = _get(body, "parallel_tool_calls", (bool,))
@@ -361,7 +383,8 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
         # an empty-input probe (Codex sends input [] with max_output_tokens 1): answered, with an empty
         # user turn, since the chat template needs one (input with items but no user turn stays refused)
         messages.append({"role": "user", "content": ""})
-    sampling = Sampling(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0))
+    sampling = Sampling(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
+                        logprobs=logprobs)
     stream = bool(_get(body, "stream", (bool,))) and not count_only
     chat = ChatRequest(messages=messages, tools=tools.functions or None, tool_choice=tool_choice,
                        parallel_tool_calls=parallel is not False, max_tokens=max_output, sampling=sampling,
@@ -369,7 +392,7 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     echo = {"instructions": instructions, "max_output_tokens": max_output, "model": model,
             "parallel_tool_calls": parallel is not False, "previous_response_id": previous_id,
             "reasoning": {"effort": effort, "summary": summary}, "store": store_it is not False,
-            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_logprobs": top_logprobs,
             "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "truncation": body.get("truncation") or "disabled", "metadata": body.get("metadata") or {},

@@ -3,10 +3,21 @@
 One ResponseBuilder serves both paths: a stream sends the events it returns, a non-streamed request
 returns response() at the end; so the ids in `output_item.done` are those of `response.completed`,
 and a stream accumulates to exactly the non-streamed object (api.md §5, §5.1).
+
+Log-probabilities (requests that ask, server.openai_responses): the Service's TokenLogprobs entries (the
+chat shape {token, logprob, bytes, top_logprobs}) go to the `output_text` part whose text their tokens
+made: each `response.output_text.delta` carries the entries of the tokens of its text, and
+`output_text.done`, `content_part.done` and the part in the response object carry the part's whole
+list (the deltas' lists concatenated). Which text a token made is found by decoding the entries' bytes
+and locating each message text delta in that text (_LogprobTrack); entries of tokens that made reasoning,
+a tool call, markup (`</think>`, `<tool_call>`), trimmed whitespace or a stop string belong to no part
+and are dropped. A token whose bytes straddle message text and something else counts with the text.
+Without logprobs no entries arrive and every part has `logprobs: []`.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import secrets
@@ -15,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.reasoning_seal import ReasoningSeal
-from server.service import APIError, ContentDelta, Finish, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from server.service import (APIError, ContentDelta, Finish, ReasoningDelta, TokenLogprobs, ToolCallArgs, ToolCallEnd,
+                            ToolCallStart)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +47,52 @@ class ToolSet:
 
 def item_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
+
+
+class _LogprobTrack:
+    """Which logprob entries made a piece of message text.
+
+    The entries' bytes are decoded as the generation decodes the tokens (UTF-8, invalid bytes as U+FFFD),
+    each entry keeping the span [lo, hi) of characters its bytes completed (an entry holding only the
+    start of a character has lo == hi, the position of that character). take(text) finds the next message
+    text in the decoded text from the cursor on and returns the entries not yet given out whose span meets
+    it; what lies before the match (markup, trimmed whitespace) is passed over, with the entries that made
+    only that. skip() passes over everything so far (reasoning, tool calls)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""                                   # decoded, from absolute position _base (the cursor)
+        self._base = 0
+        self._pending: list[tuple[dict, int, int]] = []   # (entry, lo, hi): not yet given out
+
+    def add(self, entries: list[dict]) -> None:
+        for entry in entries:
+            lo = self._base + len(self._text)
+            self._text += self._decoder.decode(bytes(entry["bytes"]))
+            self._pending.append((entry, lo, self._base + len(self._text)))
+
+    def skip(self) -> None:
+        self._base += len(self._text)
+        self._text, self._pending = "", []
+
+    def take(self, text: str) -> list[dict]:
+        if not self._pending and not self._text:          # no logprobs asked (or none since the last text)
+            return []
+        p = self._text.find(text)
+        if p < 0:   # the generation flushes its decoder at the end: a held incomplete character -> U+FFFD
+            self._text += self._decoder.decode(b"", final=True)
+            p = self._text.find(text)
+        if p < 0:   # not found (should not happen): the text takes what is pending
+            taken = [entry for entry, _, _ in self._pending]
+            self.skip()
+            return taken
+        start, end = self._base + p, self._base + p + len(text)
+        taken = [entry for entry, lo, hi in self._pending
+                 if (lo < end and hi > start if lo < hi else start <= lo < end)]
+        self._pending = [x for x in self._pending if x[1] >= end]
+        self._text = self._text[p + len(text):]
+        self._base = end
+        return taken
 
 
 class ResponseBuilder:
@@ -60,6 +118,8 @@ class ResponseBuilder:
         self._parts: list[str] = []
         self._call_index: int | None = None
         self._held = ""
+        self._logprobs = _LogprobTrack()
+        self._part_logprobs: list[dict] = []      # the open output_text part's entries
 
     # -- the object --------------------------------------------------------------------------------
 
@@ -96,9 +156,12 @@ class ResponseBuilder:
 
     def feed(self, delta: Any) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
-        if isinstance(delta, ReasoningDelta):
+        if isinstance(delta, TokenLogprobs):
+            self._logprobs.add(delta.entries)
+        elif isinstance(delta, ReasoningDelta):
             if not delta.text:
                 return out
+            self._logprobs.skip()
             if self._open != "reasoning":
                 out += self._close("completed")
                 out += self._begin_reasoning()
@@ -117,13 +180,17 @@ class ResponseBuilder:
             else:
                 text = delta.text
             self._parts.append(text)
+            logprobs = self._logprobs.take(text)
+            self._part_logprobs += logprobs
             out.append(self._ev("response.output_text.delta", item_id=self._item["id"], output_index=self._index,
-                                content_index=0, delta=text, logprobs=[]))
+                                content_index=0, delta=text, logprobs=logprobs))
         elif isinstance(delta, ToolCallStart):
             out += self._close("completed")
             self._held = ""
+            self._logprobs.skip()
             out += self._begin_call(delta)
         elif isinstance(delta, ToolCallArgs):
+            self._logprobs.skip()
             if self._open not in ("function_call", "custom_tool_call") or delta.index != self._call_index:
                 log.warning("arguments for tool call %d, which is not open; dropped", delta.index)
             elif delta.fragment:
@@ -132,6 +199,7 @@ class ResponseBuilder:
                     out.append(self._ev("response.function_call_arguments.delta", item_id=self._item["id"],
                                         output_index=self._index, delta=delta.fragment))
         elif isinstance(delta, ToolCallEnd):
+            self._logprobs.skip()
             if self._open in ("function_call", "custom_tool_call") and delta.index == self._call_index:
                 out += self._close("completed")
         return out
@@ -177,7 +245,7 @@ class ResponseBuilder:
 
     def _added(self, item: dict) -> tuple[str, dict]:
         self.output.append(item)
-        self._open, self._parts = item["type"], []
+        self._open, self._parts, self._part_logprobs = item["type"], [], []
         return self._ev("response.output_item.added", output_index=self._index, item=dict(item))
 
     def _begin_reasoning(self) -> list[tuple[str, dict]]:
@@ -238,8 +306,10 @@ class ResponseBuilder:
             if self.encrypted:
                 item["encrypted_content"] = self.seal.seal(text)
         elif kind == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            out.append(self._ev("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]))
+            logprobs = self._part_logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+            out.append(self._ev("response.output_text.done", **ids, content_index=0, text=text,
+                                logprobs=list(logprobs)))
             out.append(self._ev("response.content_part.done", **ids, content_index=0, part=part))
             item["content"] = [part]
         elif kind == "function_call":
@@ -252,7 +322,7 @@ class ResponseBuilder:
             out.append(self._ev("response.custom_tool_call_input.done", **ids, input=item["input"]))
         item["status"] = status
         out.append(self._ev("response.output_item.done", output_index=self._index, item=dict(item)))
-        self._open, self._parts, self._call_index = None, [], None
+        self._open, self._parts, self._call_index, self._part_logprobs = None, [], None, []
         return out
 
 

@@ -492,3 +492,56 @@ def test_linear_split_errors(seed):
     with pytest.raises(KernelError, match=r"outs\[1\]: shape"):
         linear_split(x, w, [32, 64], outs=[torch.empty(1, 32, dtype=torch.bfloat16, device="cuda"),
                                            torch.empty(1, 32, dtype=torch.bfloat16, device="cuda")])
+
+
+# ------------------------------------------------------------------------------------------------
+# The x-staging kernels (gemv_*_xs16 / xs32, 9..32 columns per launch, the default route there):
+# gemv_*_tc16 / tc32's arithmetic with x read from a per-block shared copy, so the same bits for the
+# same ks; test_model_shapes / test_odd_shapes / test_residual check them against the reference.
+
+XS_ODD = [(k, o, i) for k in PIPE_KINDS for o in (1, 3, 77, 300) for i in (16, 48, 1040, 4160)
+          if i % (32 if k == "nvfp4" else 16) == 0]
+
+
+def _staged_equals_tc(kind, w, O, I, seed):
+    tag = _TAG[kind]
+    epc = 32 if kind == "nvfp4" else 16
+    steps = -(-(I // epc) // 4)
+    for ks in (k for k in (1, 2, 4) if k <= steps and k * 4 * epc <= 256):
+        for suffix, cols in (("16", (9, 16)), ("32", (17, 32))):
+            for T in cols:
+                x = _x(T, I, seed + 11 * ks + T)
+                res = torch.randn(T, O, device="cuda", generator=_gen(seed + ks + T)).to(torch.bfloat16)
+                for mode in (0, 1, 2) if O % 2 == 0 else (0, 1):
+                    shape = (T, O // 2) if mode == 2 else (T, O)
+                    outs = []
+                    for kernel in (f"gemv_{tag}_tc{suffix}", f"gemv_{tag}_xs{suffix}"):
+                        out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+                        outs.append(_launch(kernel, x, w, out, ks, mode, res if mode == 1 else None))
+                    assert not torch.isnan(outs[1]).any(), (ks, T, mode, "unwritten output")
+                    assert torch.equal(outs[0], outs[1]), (ks, T, mode, rel(outs[1], outs[0]))
+
+
+@pytest.mark.parametrize("kind", PIPE_KINDS)
+@pytest.mark.parametrize("O,I", SHAPES_27B + SHAPES_35B)
+def test_staged_matches_tensor_core_kernel(kind, O, I, seed):
+    w, _ = _weight(kind, O, I, seed)
+    _staged_equals_tc(kind, w, O, I, seed)
+
+
+@pytest.mark.parametrize("kind,O,I", XS_ODD)
+def test_staged_matches_tensor_core_kernel_odd(kind, O, I, seed):
+    w, _ = _weight(kind, O, I, seed)
+    _staged_equals_tc(kind, w, O, I, seed)
+
+
+@pytest.mark.parametrize("kind", PIPE_KINDS)
+def test_staged_route_is_taken_and_matches_the_reference(kind, seed, monkeypatch):
+    """The default route sends 9..32 columns (and 33..64 in two launches) to the staging kernels."""
+    from kernels import cuda_linear as cl
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.delenv(cl.STAGED_ENV, raising=False)
+    for T in (9, 24, 32, 40, 64):
+        assert cl.route(6144, 5120, T, kind, sms)["kernel"].startswith(f"gemv_{_TAG[kind]}_xs")
+        _run_linear(kind, 6144, 5120, T, seed + T)
+    _run_linear(kind, 300, 4160, 20, seed, residual=True)

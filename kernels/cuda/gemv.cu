@@ -449,7 +449,8 @@ __device__ __forceinline__ unsigned fp8_scale_bf16x2_2p118(unsigned b) {
 // tile the accumulators come in two sets (S = 2, alternating) to halve the mma dependency chain;
 // with several tiles the tiles already interleave. fp8blk: the step's partial sums are scaled by
 // the rows' block scales s0, s1.
-template <int KIND, int NB, int S>
+// XS: xq points into shared memory (gemv_*_xs: x staged per block), read with ordinary loads.
+template <int KIND, int NB, int S, bool XS = false>
 __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&sv)[2], const bf16_t* xq,
                                         const i64_t (&xoff)[NB], bool live, float s0, float s1,
                                         float (&acc)[NB][S][4]) {
@@ -473,7 +474,8 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
             const unsigned h2 = bf16x2_mul(fp4pair_bf16<1>(v0), sa), h3 = bf16x2_mul(fp4pair_bf16<1>(v1), sb);
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
-                const uint4 xw = live ? ld_x16(xq + xoff[nb] + 8 * m) : zero4;   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
+                const uint4 xw = !live ? zero4 : XS ? *(const uint4*)(xq + xoff[nb] + 8 * m)
+                                                    : ld_x16(xq + xoff[nb] + 8 * m);   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
                 mma_bf16_16816(acc[nb][0], a0, a1, a2, a3,
                                prmt(xw.x, xw.z, 0x5410u), prmt(xw.x, xw.z, 0x7632u));  // (x0 x4) (x1 x5)
                 mma_bf16_16816(acc[nb][1 % S], h0, h1, h2, h3,
@@ -505,7 +507,8 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
             }
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
-                const uint4 xw = live ? ld_x16(xq + xoff[nb] + 8 * h) : zero4;
+                const uint4 xw = !live ? zero4 : XS ? *(const uint4*)(xq + xoff[nb] + 8 * h)
+                                                    : ld_x16(xq + xoff[nb] + 8 * h);
 #pragma unroll
                 for (int mm = 0; mm < 2; ++mm) {
                     const unsigned xl = mm ? xw.z : xw.x, xh = mm ? xw.w : xw.y;   // (x0 x1) (x2 x3)
@@ -744,6 +747,161 @@ GEMV_TC_KERNEL(gemv_nvfp4_tc16, KIND_NVFP4, 2)
 GEMV_TC_KERNEL(gemv_fp8row_tc32, KIND_FP8ROW, 4)
 GEMV_TC_KERNEL(gemv_fp8blk_tc32, KIND_FP8BLK, 4)
 GEMV_TC_KERNEL(gemv_nvfp4_tc32, KIND_NVFP4, 4)
+
+// ------------------------------------------------------------------------------------------------
+// Tensor-core GEMV with x staged in shared memory, 9..32 columns per launch (2 or 4 column tiles):
+// gemv_{fp8row,fp8blk,nvfp4}_xs16 / _xs32 (kernels/cuda_linear.py: STAGED_ENV).
+//
+// gemv_*_tc16 / tc32 read each lane's x straight from global memory (L1 / L2) for every step of every
+// warp: at 32 columns a warp moves 8 KiB of x for each KiB of nvfp4 weights, and the four-tile kernel
+// runs one block per SM with little in flight (docs/perf.md: the 27B nvfp4 step at C = 32 is 3.4x the
+// C = 1 step). Here the block walks I in lock step: iteration j covers the steps j*ks .. j*ks + ks - 1
+// (warp kslot takes step j*ks + kslot, the same steps gemv_*_tc gives it), and before it the block
+// copies that range of x, for the launch's T columns, into shared memory (cp.async, double buffered:
+// the copy of iteration j+1 flies during iteration j; one barrier per iteration). Elements past I are
+// zero-filled, which is what gemv_*_tc's `live = false` gives a partial last step, so the products,
+// their order and the reduction are gemv_*_tc's: the outputs are equal bit for bit for the same ks.
+// The weights come through registers, XS_U steps ahead per lane. x per iteration: T x ks * 4 * EPC
+// elements, at most XS_KT (ks <= 2 for nvfp4, <= 4 for fp8; the route caps ks).
+#define XS_KT 256                                                     // x elements per column per iteration
+#define XS_ROW (XS_KT + 8)                                            // + 16 bytes: rows start on other banks
+#define XS_U 4                                                        // weight steps in flight per lane
+
+template <int KIND, int NB>
+__device__ __forceinline__ void gemv_xs_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
+                                             const u8_t* __restrict__ w, const void* __restrict__ scale,
+                                             const float* __restrict__ gscale, const bf16_t* residual,
+                                             int O, int I, int T, int ks, int mode, int F, int sb, const Split& split) {
+    constexpr int EPC = KIND == KIND_NVFP4 ? 32 : 16;               // elements per 16-byte chunk
+    constexpr int U = XS_U;
+    constexpr int XS_BYTES = 2 * 8 * NB * XS_ROW * 2;                // two buffers of 8 NB rows
+    constexpr int RED_BYTES = GEMV_WARPS * NB * 4 * 32 * 4;          // the reduction, after the loop
+    __shared__ __align__(16) unsigned char smem[XS_BYTES > RED_BYTES ? XS_BYTES : RED_BYTES];
+    bf16_t (*xs)[8 * NB][XS_ROW] = reinterpret_cast<bf16_t (*)[8 * NB][XS_ROW]>(smem);
+    float (*red)[NB][4][32] = reinterpret_cast<float (*)[NB][4][32]>(smem);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kslot = warp % ks, uslot = warp / ks;
+    const int tile = blockIdx.x * (GEMV_WARPS / ks) + uslot;
+
+    int rows[2];
+    bool ok[2];
+    tc_tile_rows(mode, tile, g, O, F, rows, ok);
+    const int C = I / EPC;                                            // 16-byte chunks per row
+    const int steps = (C + 3) / 4;
+    const int J = (steps + ks - 1) / ks;                              // iterations of the block
+    const int KT = ks * 4 * EPC;                                      // x elements per column per iteration
+    const u8_t* wrow[2];
+    const u8_t* srow[2];
+    const float* bs[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ok[r] ? rows[r] : 0;
+        wrow[r] = w + (i64_t)row * ((i64_t)C * 16);
+        srow[r] = (const u8_t*)scale + (i64_t)row * (I / 16);
+        bs[r] = (const float*)scale + (i64_t)(row >> 7) * sb;
+    }
+    i64_t xoff[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        const int col = 8 * nb + g;
+        xoff[nb] = (i64_t)(col < T ? col : 0) * XS_ROW;
+    }
+    const bf16_t* xq = &xs[0][0][0] + (4 * kslot + t) * EPC;        // this lane's chunk in a staged row
+
+    // Weights of iteration j: step q = j ks + kslot, chunk 4q + t (chunk 4q when 4q + t is past the row
+    // end, as gemv_*_tc loads it: x is zero there).
+    uint4 wv[U][2];
+    unsigned sv[U][2];
+    auto load_w = [&](int u, int j) {
+        const int q = j * ks + kslot;
+        if (q >= steps) return;
+        const int c = 4 * q + t < C ? 4 * q + t : 4 * q;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            wv[u][r] = ld_stream16(wrow[r] + (i64_t)c * 16);
+            sv[u][r] = KIND == KIND_NVFP4 ? (unsigned)__ldg((const unsigned short*)(srow[r] + (i64_t)c * 2)) : 0u;
+        }
+    };
+    // x of iteration j -> buffer b: columns 0..T-1, elements j KT .. j KT + KT - 1 (zeros past I)
+    auto stage_x = [&](int j, int b) {
+        const int per_col = KT / 8, n = T * per_col;
+        const int e0 = j * KT;
+        for (int i = tid; i < n; i += GEMV_WARPS * 32) {
+            const int col = i / per_col, e = (i - col * per_col) * 8;
+            const bool in = e0 + e < I;
+            cp_async16(smem_u32(&xs[b][col][e]), in ? (const void*)(x + (i64_t)col * I + e0 + e) : (const void*)x,
+                       in ? 16u : 0u);
+        }
+    };
+
+    float acc[NB][1][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nb][0][i] = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (u < J) load_w(u, u);                                      // weights only: before the wait
+    pdl_wait();
+    stage_x(0, 0);
+    cp_async_commit();
+    for (int j0 = 0; j0 < J; j0 += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            if (j >= J) break;                                        // block-uniform
+            cp_async_wait<0>();                                       // this thread's copies of iteration j
+            __syncthreads();                                          // everyone's; and iteration j-1 is done
+            if (j + 1 < J) stage_x(j + 1, (j + 1) & 1);
+            cp_async_commit();
+            const int q = j * ks + kslot;
+            if (q < steps) {
+                float s0 = 1.f, s1 = 1.f;
+                if (KIND == KIND_FP8BLK) { s0 = __ldg(bs[0] + (q >> 1)); s1 = __ldg(bs[1] + (q >> 1)); }
+                tc_step<KIND, NB, 1, true>(wv[u], sv[u], xq + (j & 1) * (8 * NB * XS_ROW), xoff, true, s0, s1, acc);
+            }
+            if (j + U < J) load_w(u, j + U);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();                                                  // the buffers become the reduction
+
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][nb][i][lane] = acc[nb][0][i];
+    __syncthreads();
+    if (kslot != 0) return;
+    float mul[2];
+    tc_row_scales<KIND>(scale, gscale, ok, rows, mul);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float s = 0.f;
+            for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
+            v[i] = s;
+        }
+        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode, split);
+    }
+}
+
+// Two blocks per SM for both widths (<= 128 registers without spills: x is not held in registers).
+#define GEMV_XS_KERNEL(name, KIND, NB)                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { \
+        pdl_trigger();                                                        \
+        gemv_xs_body<KIND, NB>(GEMV_PASS);                                    \
+    }
+
+GEMV_XS_KERNEL(gemv_fp8row_xs16, KIND_FP8ROW, 2)
+GEMV_XS_KERNEL(gemv_fp8blk_xs16, KIND_FP8BLK, 2)
+GEMV_XS_KERNEL(gemv_nvfp4_xs16, KIND_NVFP4, 2)
+GEMV_XS_KERNEL(gemv_fp8row_xs32, KIND_FP8ROW, 4)
+GEMV_XS_KERNEL(gemv_fp8blk_xs32, KIND_FP8BLK, 4)
+GEMV_XS_KERNEL(gemv_nvfp4_xs32, KIND_NVFP4, 4)
 
 // ------------------------------------------------------------------------------------------------
 // Pipelined tensor-core decode GEMV for quantised weights, T <= 8 columns (one column tile of 8):
