@@ -85,8 +85,10 @@ PIPE_BLOCKS_PER_SM = 2
 PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
 # Launches of 9..32 columns (two or four column tiles) run gemv_*_xs16 / xs32, which stage x in shared
 # memory per block (gemv.cu), instead of gemv_*_tc16 / tc32, which read it from L1 / L2 in every warp.
-# TANDEM_GEMV_STAGED=0 (read at every launch plan) keeps the tc kernels. Their ks is capped so that an
-# iteration's x fits the staging buffer: ks * 4 chunks * elements per chunk <= XS_KT.
+# TANDEM_GEMV_STAGED=0 (read at every launch plan) keeps the tc kernels. A launch takes them only where
+# the block rule's I-split fits the staging buffer (ks * 4 chunks * elements per chunk <= XS_KT: ks <= 2
+# for nvfp4, <= 4 for fp8): capping ks instead left the wide-I, narrow-O layers (down, o_proj) a
+# fraction of the SMs (fourteenth session, docs/perf.md).
 STAGED_ENV = "TANDEM_GEMV_STAGED"
 XS_KT = 256
 
@@ -238,8 +240,7 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     ks = ks_cap if T == 1 and FORCE_KS is None and ks_rule() != "blocks" else ks_blocks
     nb = next(n for n in _TC_TILES if 8 * n >= T)
     name = f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}"
-    if nb > 1 and staged_x():
-        ks = min(ks, XS_KT // (4 * _EPC[kind]))
+    if nb > 1 and staged_x() and ks * 4 * _EPC[kind] <= XS_KT:   # where the block rule's I-split fits
         name = f"gemv_{_KIND_TAG[kind]}_xs{_TC_TILES[nb]}"
     blocks = -(-tiles // (WARPS // ks))
     return {"path": "gemv", "kind": kind, "kernel": name, "nt": 8 * nb, "ks": ks,

@@ -10,8 +10,8 @@ made: each `response.output_text.delta` carries the entries of the tokens of its
 `output_text.done`, `content_part.done` and the part in the response object carry the part's whole
 list (the deltas' lists concatenated). Which text a token made is found by decoding the entries' bytes
 and locating each message text delta in that text (_LogprobTrack); entries of tokens that made reasoning,
-a tool call, markup (`</think>`, `<tool_call>`), trimmed whitespace or a stop string belong to no part
-and are dropped. A token whose bytes straddle message text and something else counts with the text.
+a tool call, markup (`</think>`, `<tool_call>`) or trimmed whitespace belong to no part and are
+dropped. A token whose bytes straddle message text and something else counts with the text.
 Without logprobs no entries arrive and every part has `logprobs: []`.
 """
 

@@ -537,11 +537,11 @@ def test_staged_matches_tensor_core_kernel_odd(kind, O, I, seed):
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)
 def test_staged_route_is_taken_and_matches_the_reference(kind, seed, monkeypatch):
-    """The default route sends 9..32 columns (and 33..64 in two launches) to the staging kernels."""
+    """With the staging kernels on, a wide layer's 9..32 columns (and 33..64 in two launches) take them."""
     from kernels import cuda_linear as cl
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    monkeypatch.delenv(cl.STAGED_ENV, raising=False)
+    monkeypatch.setenv(cl.STAGED_ENV, "1")
     for T in (9, 24, 32, 40, 64):
-        assert cl.route(6144, 5120, T, kind, sms)["kernel"].startswith(f"gemv_{_TAG[kind]}_xs")
-        _run_linear(kind, 6144, 5120, T, seed + T)
+        assert cl.route(34816, 5120, T, kind, sms)["kernel"].startswith(f"gemv_{_TAG[kind]}_xs")
+        _run_linear(kind, 34816, 5120, T, seed + T)
     _run_linear(kind, 300, 4160, 20, seed, residual=True)

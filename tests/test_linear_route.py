@@ -21,31 +21,39 @@ def no_variant_in_the_environment(monkeypatch):
 @pytest.mark.parametrize("staged", ["1", "0"])
 @pytest.mark.parametrize("kind,tag", [("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")])
 def test_quantised_columns_go_to_the_tensor_core_kernels(kind, tag, staged, monkeypatch):
-    """9..32 columns per launch: the x-staging kernels (gemv_*_xs16 / xs32) by default, the tc16 / tc32
-    kernels with TANDEM_GEMV_STAGED=0."""
+    """9..32 columns per launch of a wide layer (34816 rows, whose I-split fits the staging buffer): the
+    x-staging kernels (gemv_*_xs16 / xs32) by default, the tc16 / tc32 kernels with TANDEM_GEMV_STAGED=0."""
     monkeypatch.setenv(cl.STAGED_ENV, staged)
     wide = "xs" if staged == "1" else "tc"
     for T, suffix in ((2, "tc"), (8, "tc"), (9, wide + "16"), (16, wide + "16"), (17, wide + "32"), (32, wide + "32")):
-        r = cl.route(5120, 5120, T, kind, SM)
+        r = cl.route(34816, 5120, T, kind, SM)
         assert r["path"] == "gemv" and r["kernel"] == f"gemv_{tag}_{suffix}", (T, r)
         assert r["nt"] >= T
     assert cl.launch_columns(kind, 5120) == 32
     for T in (33, 64):                                 # two launches of the 32-column kernel
-        assert cl.route(5120, 5120, T, kind, SM)["kernel"] == f"gemv_{tag}_{wide}32"
-    assert cl.route(5120, 5120, 65, kind, SM)["path"] == "dequant_matmul"
+        assert cl.route(34816, 5120, T, kind, SM)["kernel"] == f"gemv_{tag}_{wide}32"
+    assert cl.route(34816, 5120, 65, kind, SM)["path"] == "dequant_matmul"
 
 
 @pytest.mark.parametrize("kind", ["fp8_row", "fp8_block", "nvfp4"])
-def test_staged_launches_cap_the_i_split_at_the_staging_buffer(kind, monkeypatch):
-    """An iteration's x (ks steps of 4 chunks, per column) must fit XS_KT elements: ks <= 2 for nvfp4
-    (32 elements per chunk), <= 4 for fp8 (16); the grid follows the capped ks."""
+def test_staged_launches_only_where_the_i_split_fits_the_staging_buffer(kind, monkeypatch):
+    """An iteration's x (ks steps of 4 chunks, per column) must fit XS_KT elements: the staging kernel
+    takes a launch where the block rule's ks does (ks <= 2 for nvfp4, <= 4 for fp8), the tc kernel the
+    others, with the same ks and grid either way."""
     monkeypatch.setenv(cl.STAGED_ENV, "1")
     epc = 32 if kind == "nvfp4" else 16
-    for O, I in ((1024, 5120), (5120, 17408), (34816, 5120), (64, 2048), (300, 4096)):
+    seen = set()
+    for O, I in ((1024, 5120), (5120, 17408), (34816, 5120), (64, 2048), (300, 4096), (12288, 5120)):
         for T in (9, 16, 17, 32):
             r = cl.route(O, I, T, kind, SM)
-            assert r["kernel"].endswith(("xs16", "xs32")) and 1 <= r["ks"] * 4 * epc <= cl.XS_KT
-            assert r["grid"] == (-(-(-(-O // 16)) // (8 // r["ks"])),)
+            monkeypatch.setenv(cl.STAGED_ENV, "0")
+            tc = cl.route(O, I, T, kind, SM)
+            monkeypatch.setenv(cl.STAGED_ENV, "1")
+            fits = tc["ks"] * 4 * epc <= cl.XS_KT
+            seen.add(fits)
+            assert r["kernel"] == (tc["kernel"].replace("_tc", "_xs") if fits else tc["kernel"]), (O, I, T, r)
+            assert (r["ks"], r["grid"]) == (tc["ks"], tc["grid"])
+    assert seen == {True, False}
     monkeypatch.setenv(cl.STAGED_ENV, "maybe")
     with pytest.raises(KernelError, match="TANDEM_GEMV_STAGED"):
         cl.route(5120, 5120, 16, kind, SM)
