@@ -26,6 +26,9 @@ pipelined kernels' layer rule stopped at 4 columns (the default until the twelft
 C = 8 7.7% slower than auto, nvfp4 the same, docs/perf.md).
 scripts/bench/linear.py --variants times tc against pipelined.
 
+Launches of 9..32 columns run gemv_*_tc16 / tc32, or gemv_*_xs16 / xs32 (the same arithmetic with x
+staged per block in shared memory) per TANDEM_GEMV_STAGED (STAGED_ENV below; default: nvfp4 at 17..32).
+
 The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
 GEMV's blocks start streaming their first weights under the previous kernel's tail.
 """
@@ -83,12 +86,15 @@ PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # (tp 1: 11.42 ms).
 PIPE_BLOCKS_PER_SM = 2
 PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
-# Launches of 9..32 columns (two or four column tiles) run gemv_*_xs16 / xs32, which stage x in shared
-# memory per block (gemv.cu), instead of gemv_*_tc16 / tc32, which read it from L1 / L2 in every warp.
-# TANDEM_GEMV_STAGED=0 (read at every launch plan) keeps the tc kernels. A launch takes them only where
-# the block rule's I-split fits the staging buffer (ks * 4 chunks * elements per chunk <= XS_KT: ks <= 2
-# for nvfp4, <= 4 for fp8): capping ks instead left the wide-I, narrow-O layers (down, o_proj) a
-# fraction of the SMs (fourteenth session, docs/perf.md).
+# gemv_*_xs16 / xs32 stage x in shared memory per block (gemv.cu) where gemv_*_tc16 / tc32 read it from
+# L1 / L2 in every warp. TANDEM_GEMV_STAGED (read at every launch plan): "auto" (the default) sends nvfp4
+# launches of 17..32 columns to gemv_nvfp4_xs32, "all" every quantised launch of 9..32 columns to the
+# xs kernels, "0" none. Either way only where the block rule's I-split fits the staging buffer (ks * 4
+# chunks * elements per chunk <= XS_KT: ks <= 2 for nvfp4, <= 4 for fp8; capping ks instead left the
+# wide-I, narrow-O layers a fraction of the SMs). Measured on an H200 (docs/perf.md, fourteenth
+# session): nvfp4 at 32 columns gate|up 121.5 against 164.8 us, the 27B step at C = 32 30.4 against
+# 32.7 ms; nvfp4 at 16 columns even; fp8 slower at 16 columns (gate|up 116 against 75 us, the C = 16
+# step 19.9 against 17.2 ms) and at 32 (31.4 against 30.5 ms).
 STAGED_ENV = "TANDEM_GEMV_STAGED"
 XS_KT = 256
 
@@ -109,12 +115,13 @@ def ks_rule() -> str:
     return v
 
 
-def staged_x() -> bool:
-    """Whether launches of 9..32 columns take the x-staging kernels (TANDEM_GEMV_STAGED, default on)."""
-    v = os.environ.get(STAGED_ENV) or "1"
-    if v not in ("0", "1"):
-        raise L.KernelError(f"{STAGED_ENV}={v!r}: expected 0 or 1")
-    return v == "1"
+def staged_x() -> str:
+    """Which launches of 9..32 columns take the x-staging kernels: $TANDEM_GEMV_STAGED, "auto" (nvfp4 at
+    17..32 columns), "all" or "0" (see STAGED_ENV)."""
+    v = os.environ.get(STAGED_ENV) or "auto"
+    if v not in ("auto", "all", "0"):
+        raise L.KernelError(f"{STAGED_ENV}={v!r}: expected auto, all or 0")
+    return v
 
 
 def pipe_applies(kind: str, I: int, T: int) -> bool:
@@ -240,7 +247,9 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     ks = ks_cap if T == 1 and FORCE_KS is None and ks_rule() != "blocks" else ks_blocks
     nb = next(n for n in _TC_TILES if 8 * n >= T)
     name = f"gemv_{_KIND_TAG[kind]}_tc{_TC_TILES[nb]}"
-    if nb > 1 and staged_x() and ks * 4 * _EPC[kind] <= XS_KT:   # where the block rule's I-split fits
+    staged = staged_x()
+    if nb > 1 and ks * 4 * _EPC[kind] <= XS_KT and (staged == "all" or (staged == "auto" and nb == 4
+                                                                         and kind == "nvfp4")):
         name = f"gemv_{_KIND_TAG[kind]}_xs{_TC_TILES[nb]}"
     blocks = -(-tiles // (WARPS // ks))
     return {"path": "gemv", "kind": kind, "kernel": name, "nt": 8 * nb, "ks": ks,

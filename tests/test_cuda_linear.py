@@ -540,7 +540,7 @@ def test_staged_route_is_taken_and_matches_the_reference(kind, seed, monkeypatch
     """With the staging kernels on, a wide layer's 9..32 columns (and 33..64 in two launches) take them."""
     from kernels import cuda_linear as cl
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    monkeypatch.setenv(cl.STAGED_ENV, "1")
+    monkeypatch.setenv(cl.STAGED_ENV, "all")
     for T in (9, 24, 32, 40, 64):
         assert cl.route(34816, 5120, T, kind, sms)["kernel"].startswith(f"gemv_{_TAG[kind]}_xs")
         _run_linear(kind, 34816, 5120, T, seed + T)

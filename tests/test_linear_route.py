@@ -18,13 +18,13 @@ def no_variant_in_the_environment(monkeypatch):
     monkeypatch.setenv(cl.STAGED_ENV, "0")
 
 
-@pytest.mark.parametrize("staged", ["1", "0"])
+@pytest.mark.parametrize("staged", ["all", "0"])
 @pytest.mark.parametrize("kind,tag", [("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")])
 def test_quantised_columns_go_to_the_tensor_core_kernels(kind, tag, staged, monkeypatch):
     """9..32 columns per launch of a wide layer (34816 rows, whose I-split fits the staging buffer): the
-    x-staging kernels (gemv_*_xs16 / xs32) by default, the tc16 / tc32 kernels with TANDEM_GEMV_STAGED=0."""
+    x-staging kernels (gemv_*_xs16 / xs32) with TANDEM_GEMV_STAGED=all, the tc16 / tc32 kernels with 0."""
     monkeypatch.setenv(cl.STAGED_ENV, staged)
-    wide = "xs" if staged == "1" else "tc"
+    wide = "xs" if staged == "all" else "tc"
     for T, suffix in ((2, "tc"), (8, "tc"), (9, wide + "16"), (16, wide + "16"), (17, wide + "32"), (32, wide + "32")):
         r = cl.route(34816, 5120, T, kind, SM)
         assert r["path"] == "gemv" and r["kernel"] == f"gemv_{tag}_{suffix}", (T, r)
@@ -40,21 +40,24 @@ def test_staged_launches_only_where_the_i_split_fits_the_staging_buffer(kind, mo
     """An iteration's x (ks steps of 4 chunks, per column) must fit XS_KT elements: the staging kernel
     takes a launch where the block rule's ks does (ks <= 2 for nvfp4, <= 4 for fp8), the tc kernel the
     others, with the same ks and grid either way."""
-    monkeypatch.setenv(cl.STAGED_ENV, "1")
     epc = 32 if kind == "nvfp4" else 16
     seen = set()
     for O, I in ((1024, 5120), (5120, 17408), (34816, 5120), (64, 2048), (300, 4096), (12288, 5120)):
         for T in (9, 16, 17, 32):
-            r = cl.route(O, I, T, kind, SM)
             monkeypatch.setenv(cl.STAGED_ENV, "0")
             tc = cl.route(O, I, T, kind, SM)
-            monkeypatch.setenv(cl.STAGED_ENV, "1")
             fits = tc["ks"] * 4 * epc <= cl.XS_KT
             seen.add(fits)
-            assert r["kernel"] == (tc["kernel"].replace("_tc", "_xs") if fits else tc["kernel"]), (O, I, T, r)
-            assert (r["ks"], r["grid"]) == (tc["ks"], tc["grid"])
+            for mode in ("all", "auto"):
+                monkeypatch.setenv(cl.STAGED_ENV, mode)
+                r = cl.route(O, I, T, kind, SM)
+                takes = fits and (mode == "all" or (kind == "nvfp4" and T > 16))
+                assert r["kernel"] == (tc["kernel"].replace("_tc", "_xs") if takes else tc["kernel"]), (O, I, T, r)
+                assert (r["ks"], r["grid"]) == (tc["ks"], tc["grid"])
     assert seen == {True, False}
-    monkeypatch.setenv(cl.STAGED_ENV, "maybe")
+    monkeypatch.delenv(cl.STAGED_ENV)
+    assert cl.staged_x() == "auto"                    # the default: nvfp4 at 17..32 columns
+    monkeypatch.setenv(cl.STAGED_ENV, "1")
     with pytest.raises(KernelError, match="TANDEM_GEMV_STAGED"):
         cl.route(5120, 5120, 16, kind, SM)
 
