@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import re
 import secrets
 import threading
@@ -39,7 +40,7 @@ import zmq.asyncio
 
 from server import params
 from server.service import (APIError, ChatRequest, ContentDelta, Finish, ReasoningDelta, RequestContext, Sampling,
-                            TextRequest, ToolCallArgs, ToolCallEnd, ToolCallStart, current_request)
+                            TextRequest, TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart, current_request)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ SEND_HWM = 100_000                    # queued replies per client before it coun
 MAX_MESSAGE_BYTES = 64 * 2**20        # a larger request body is answered with 413
 REQUEST_TYPES = ("chat", "tokens", "cancel", "count_tokens", "models", "health")
 CLIENT_LABEL = re.compile(r"[A-Za-z0-9._:/@+\-]{1,64}")     # the rule of HTTP's X-Tandem-Client (server.app)
+MAX_LOGIT_BIAS = 300                  # logit_bias entries (runtime.sampling.MAX_LOGIT_BIAS, OpenAI's limit)
+MAX_TOP_LOGPROBS = 20                 # logprobs alternatives per token (runtime.sampling.MAX_TOP_LOGPROBS)
+_DECIMAL_ID = re.compile(r"[0-9]{1,10}")
 
 # name -> accepted Python types (bool is rejected separately: it is an int to Python)
 _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
@@ -77,7 +81,41 @@ def _sampling(msg: dict) -> Sampling:
     for name, types in _SAMPLING_FIELDS.items():
         value = _field(msg, name, types)
         values[name] = float(value) if value is not None and float in types else value
-    return Sampling(**values)
+    logprobs = _field(msg, "logprobs", (int,), None, "an integer")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise _bad("logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    return Sampling(**values, logit_bias=_logit_bias(msg), logprobs=logprobs)
+
+
+def _logit_bias(msg: dict) -> tuple[tuple[int, float], ...] | None:
+    """logit_bias: a map {token id: bias in [-100, 100]}, ids as integers or decimal strings (as JSON
+    clients send them), at most MAX_LOGIT_BIAS -> sorted (id, bias) pairs; None when absent, nil or
+    empty. Whether the ids are in the vocabulary is the engine's check at submit (a 400 naming it too)."""
+    bias = _field(msg, "logit_bias", (dict,), None, "a map {token id: bias}")
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and _DECIMAL_ID.fullmatch(key):
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise _bad("logit_bias", f"logit_bias keys must be token ids (integers, or strings of at most 10 "
+                                     f"decimal digits), got {key!r:.40}")
+        if not 0 <= token < 2**31:
+            raise _bad("logit_bias", f"logit_bias token id {token} is out of range [0, 2**31)")
+        if token in out:
+            raise _bad("logit_bias", f"logit_bias token id {token} appears twice")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            got = f"{value!r:.40}" if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                else type(value).__name__
+            raise _bad("logit_bias", f"logit_bias[{token}] must be a number in [-100, 100], got {got}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _max_tokens(msg: dict, default: int | None) -> int | None:
@@ -151,6 +189,8 @@ def encode_delta(delta: Any) -> dict[str, Any]:
         return {"kind": "tool_call_args", "index": delta.index, "text": delta.fragment}
     if isinstance(delta, ToolCallEnd):
         return {"kind": "tool_call_end", "index": delta.index}
+    if isinstance(delta, TokenLogprobs):
+        return {"kind": "logprobs", "entries": delta.entries}
     raise TypeError(f"unknown delta type {type(delta).__name__}")
 
 
@@ -454,6 +494,8 @@ class ZmqServer:
                     self._terminal(entry, envelope, rid, "finish", finish_reason=delta.finish_reason,
                                    usage=delta.usage, timings=delta.timings, matched_stop=delta.matched_stop)
                     return
+                if isinstance(delta, TokenLogprobs) and (request.sampling.logprobs is None or not delta.entries):
+                    continue                        # the logprobs kind goes only to a request that asked
                 if not self._send(envelope, rid, "delta", **encode_delta(delta)):
                     entry.reason, entry.ended = "gone", True
                     return

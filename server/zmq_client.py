@@ -6,7 +6,7 @@ Synchronous::
     with ZmqClient("tcp://127.0.0.1:5557", api_key=None) as client:
         print(client.health())                        # {'status': 'ok', 'model': ..., ...}
         for d in client.chat([{"role": "user", "content": "Hi"}], max_tokens=64, thinking=False):
-            print(d.kind, d.text)                     # reasoning / content / tool_call_* deltas
+            print(d.kind, d.text)                     # reasoning / content / tool_call_* (/ logprobs) deltas
         result = client.chat(messages, stream=False)  # a Result: content, reasoning, tool_calls, usage
         out = client.tokens([1, 2, 3], stream=False, max_tokens=8)   # raw prompt, no template
 
@@ -18,15 +18,17 @@ asyncio::
         print(stream.result.usage)
 
 chat/tokens keyword arguments are the request fields of the protocol (max_tokens, stop, temperature,
-top_p, top_k, min_p, presence/frequency/repetition_penalty, seed, ignore_eos, tools, tool_choice,
-parallel_tool_calls, thinking, thinking_budget, preserve_thinking, chat_template_kwargs, model,
-client, return_prompt_ids); None values are left out. With stream=True the call returns once the
-server has accepted the request (its `start`), so validation errors raise ZmqAPIError from the call
-itself; errors after that raise from the iteration. To leave a stream early, close() it or use it as
-a context manager (`with client.chat(...) as stream:`): that cancels the request on the server; a
-stream merely abandoned keeps running there until it finishes. A client is one DEALER socket: use
-it from one thread (the sync client) or one event loop (the async client); any number of its
-requests may be in flight at once.
+top_p, top_k, min_p, presence/frequency/repetition_penalty, seed, logit_bias, logprobs, ignore_eos,
+tools, tool_choice, parallel_tool_calls, thinking, thinking_budget, preserve_thinking,
+chat_template_kwargs, model, client, return_prompt_ids); None values are left out. logit_bias is a
+dict {token id: bias in [-100, 100]}; logprobs=k (0..20) adds a `logprobs` Delta (its `entries`)
+before each generated token's text, and Result.logprobs collects them (None when not asked). With
+stream=True the call returns once the server has accepted the request (its `start`), so validation
+errors raise ZmqAPIError from the call itself; errors after that raise from the iteration. To leave
+a stream early, close() it or use it as a context manager (`with client.chat(...) as stream:`): that
+cancels the request on the server; a stream merely abandoned keeps running there until it finishes.
+A client is one DEALER socket: use it from one thread (the sync client) or one event loop (the async
+client); any number of its requests may be in flight at once.
 """
 
 from __future__ import annotations
@@ -63,13 +65,16 @@ class ZmqAPIError(Exception):
 
 @dataclass(frozen=True)
 class Delta:
-    """One piece of output. kind: reasoning | content | tool_call_start | tool_call_args | tool_call_end;
-    text for reasoning / content / tool_call_args (a JSON fragment); index, call_id, name for tool calls."""
+    """One piece of output. kind: reasoning | content | tool_call_start | tool_call_args | tool_call_end |
+    logprobs; text for reasoning / content / tool_call_args (a JSON fragment); index, call_id, name for
+    tool calls; entries for logprobs (only with the request's `logprobs` field): one map per generated
+    token, {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}, bytes a list of ints."""
     kind: str
     text: str = ""
     index: int | None = None
     call_id: str | None = None
     name: str | None = None
+    entries: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Result:
     matched_stop: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float | None] = field(default_factory=dict)
+    logprobs: list[dict[str, Any]] | None = None    # the request's `logprobs` set: every logprobs entry, in order
 
     def _start(self, msg: dict) -> None:
         self.request_id, self.model = msg.get("request_id"), msg.get("model")
@@ -101,6 +107,10 @@ class Result:
             self.tool_calls.append({"id": d.call_id or "", "name": d.name or "", "arguments": ""})
         elif d.kind == "tool_call_args":
             self.tool_calls[d.index]["arguments"] += d.text
+        elif d.kind == "logprobs":
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(d.entries or ())
 
     def _finish(self, msg: dict) -> None:
         self.finish_reason, self.matched_stop = msg.get("finish_reason"), msg.get("matched_stop")
@@ -121,7 +131,8 @@ def _payload(msg: dict) -> dict:
 
 
 def _delta(msg: dict) -> Delta:
-    return Delta(msg.get("kind", ""), msg.get("text", ""), msg.get("index"), msg.get("call_id"), msg.get("name"))
+    return Delta(msg.get("kind", ""), msg.get("text", ""), msg.get("index"), msg.get("call_id"), msg.get("name"),
+                 msg.get("entries"))
 
 
 def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -138,9 +149,9 @@ def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 class _StreamState:
     """What a sync and an async stream share: the request's Result and the handling of one message."""
 
-    def __init__(self, client, rid: Any, start: dict):
+    def __init__(self, client, rid: Any, start: dict, logprobs: bool = False):
         self.id, self.start, self._client = rid, start, client
-        self.result = Result(rid)
+        self.result = Result(rid, logprobs=[] if logprobs else None)
         self.result._start(start)
         self.done = False
 
@@ -264,7 +275,7 @@ class ZmqClient:
         if msg.get("type") == "error":
             self._queues.pop(rid, None)
             raise ZmqAPIError(msg)
-        s = Stream(self, rid, msg)
+        s = Stream(self, rid, msg, fields.get("logprobs") is not None)
         if stream:
             return s
         for _ in s:
@@ -408,7 +419,7 @@ class AsyncZmqClient:
         if msg.get("type") == "error":
             self._queues.pop(rid, None)
             raise ZmqAPIError(msg)
-        s = AsyncStream(self, rid, msg)
+        s = AsyncStream(self, rid, msg, fields.get("logprobs") is not None)
         if stream:
             return s
         async for _ in s:

@@ -2,7 +2,8 @@
 
 The fake picks its script from the last user message: "hello" (reasoning + content), "tool" (one
 tool call), "forever" (content every 5 ms until closed), "fail" (an APIError after the first delta),
-"overflow" (prepare rejects the context); anything else is echoed back as content.
+"overflow" (prepare rejects the context), "lp" (TokenLogprobs before each of two content deltas, whether
+the request asked for logprobs or not); anything else is echoed back as content.
 """
 
 from __future__ import annotations
@@ -14,12 +15,21 @@ import msgpack
 import pytest
 import zmq
 
-from server.service import (APIError, ContentDelta, Finish, Prepared, ReasoningDelta, TextRequest, ToolCallArgs,
-                            ToolCallEnd, ToolCallStart, current_request)
+from server.service import (APIError, ContentDelta, Finish, Prepared, ReasoningDelta, TextRequest, TokenLogprobs,
+                            ToolCallArgs, ToolCallEnd, ToolCallStart, current_request)
 from server.zmq_api import PROTOCOL_VERSION, ZmqServer
 from server.zmq_client import AsyncZmqClient, ZmqAPIError, ZmqClient
 
 WAIT_S = 10.0        # upper bound for events that happen within milliseconds
+
+
+def lp_entry(text: str, logprob: float) -> dict:
+    """A logprobs entry in the shape server.generation.logprob_entry makes (one alternative)."""
+    one = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {**one, "top_logprobs": [dict(one)]}
+
+
+LP_ENTRIES = [lp_entry("a", -0.25), lp_entry("é", -1.5)]
 
 
 class FakeService:
@@ -82,6 +92,11 @@ class FakeService:
                 self.close_exc.append(type(e).__name__)
                 self.closed.set()
                 raise
+        elif text == "lp":
+            for entry in LP_ENTRIES:
+                yield TokenLogprobs([entry])
+                yield ContentDelta(entry["token"])
+            yield Finish("stop", usage, timings)
         elif text == "fail":
             yield ContentDelta("partial")
             raise APIError(503, "unavailable", "engine died", should_retry=True)
@@ -169,6 +184,54 @@ def test_tokens_request_takes_ids_or_text(client, service):
     assert isinstance(req, TextRequest) and req.prompt == [5, 6, 7] and req.api == "zmq"
     assert client.tokens("AB", stream=False).content == "65 66"
     assert service.requests[-1].max_tokens == 16          # the /v1/completions default
+
+
+def test_logit_bias_and_logprobs_reach_the_service_and_the_deltas(client, service):
+    stream = client.chat(user("lp"), logprobs=2, logit_bias={5: 1.5, "7": -100, "0012": 0})
+    deltas = [(d.kind, d.text, d.entries) for d in stream]
+    assert deltas == [("logprobs", "", [LP_ENTRIES[0]]), ("content", "a", None),
+                      ("logprobs", "", [LP_ENTRIES[1]]), ("content", "é", None)]
+    assert stream.result.logprobs == LP_ENTRIES and stream.result.content == "aé"
+    sampling = service.requests[-1].sampling
+    assert sampling.logit_bias == ((5, 1.5), (7, -100.0), (12, 0.0)) and sampling.logprobs == 2
+    assert all(isinstance(b, float) for _, b in sampling.logit_bias)
+
+    r = client.tokens([1, 2], stream=False, logprobs=0, logit_bias={})        # {} / nil: no bias
+    assert service.requests[-1].sampling.logit_bias is None and service.requests[-1].sampling.logprobs == 0
+    assert r.logprobs == []                     # asked, none came: an empty list, not None
+    client.tokens([1, 2], stream=False, logit_bias={i: -1 for i in range(300)})
+    assert len(service.requests[-1].sampling.logit_bias) == 300
+
+    async def main():
+        async with AsyncZmqClient(client.endpoint, timeout_s=WAIT_S) as c:
+            r = await c.chat(user("lp"), stream=False, logprobs=1)
+            assert r.logprobs == LP_ENTRIES and r.content == "aé"
+    asyncio.run(main())
+
+
+def test_logprobs_deltas_go_only_to_a_request_that_asked(client, server):
+    stream = client.chat(user("lp"))            # the fake yields TokenLogprobs anyway
+    assert [(d.kind, d.text) for d in stream] == [("content", "a"), ("content", "é")]
+    assert stream.result.logprobs is None and stream.result.finish_reason == "stop"
+    ctx = zmq.Context()                                       # on the wire, too: no logprobs delta at all
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(server.endpoint)
+        for rid, extra in ((1, {}), (2, {"logprobs": None}), (3, {"logprobs": 0})):
+            sock.send(pack(type="chat", id=rid, messages=user("lp"), **extra))
+            replies = []
+            while not replies or replies[-1]["type"] not in ("finish", "error"):
+                assert sock.poll(int(WAIT_S * 1000))
+                replies.append(msgpack.unpackb(sock.recv(), raw=False))
+            kinds = [m.get("kind") for m in replies if m["type"] == "delta"]
+            assert kinds == (["logprobs", "content"] * 2 if rid == 3 else ["content"] * 2), (rid, replies)
+            if rid == 3:
+                assert replies[1] == {"v": PROTOCOL_VERSION, "type": "delta", "id": 3, "kind": "logprobs",
+                                      "entries": [LP_ENTRIES[0]]}
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def test_count_tokens_models_health(client):
@@ -259,6 +322,15 @@ def test_client_disconnect_closes_the_generator(server, service):
     (pack(type="chat", id=1, messages=user("x"), max_tokens=0), 400, "invalid_request", "max_tokens"),
     (pack(type="chat", id=1, messages=user("x"), temperature="hot"), 400, "invalid_request", "temperature"),
     (pack(type="chat", id=1, messages=user("x"), stop=["a", 3]), 400, "invalid_request", "stop.1"),
+    *[(pack(type=t, id=1, messages=user("x"), prompt=[1], logprobs=v), 400, "invalid_request", "logprobs")
+      for t in ("chat", "tokens") for v in (21, -1, "x", True, 2.0)],
+    *[(pack(type=t, id=1, messages=user("x"), prompt=[1], logit_bias=v), 400, "invalid_request", "logit_bias")
+      for t in ("chat", "tokens") for v in (
+          [[5, 1.0]], "5:1", 7,                                    # not a map
+          {5: 101}, {"5": -100.5}, {5: float("nan")}, {5: float("inf")}, {5: "1"}, {5: True}, {5: None},
+          {"abc": 1}, {"-1": 1}, {-1: 1}, {"5.0": 1}, {"12345678901": 1}, {2**31: 1}, {True: 1}, {1.5: 1},
+          {5: 1, "5": 2},                                          # one id twice
+          {i: 1 for i in range(301)})],
     (pack(type="chat", id=1, messages=user("overflow")), 400, "context_length_exceeded", "messages"),
     (pack(type="tokens", id=1, prompt=[]), 400, "invalid_request", "prompt"),
     (pack(type="tokens", id=1, prompt=[1, -2]), 400, "invalid_request", "prompt"),
@@ -342,7 +414,9 @@ def test_bind_failure_raises_from_start(server, service):
         ZmqServer(service, server.endpoint).start()
 
 
-def test_real_tiny_engine_through_zmq(tmp_path):
+@pytest.fixture
+def tiny(tmp_path):
+    """(engine, service, server): a real engine on a tiny random checkpoint, served with api key "k"."""
     from ranks.random_checkpoint import write_random_checkpoint
     from runtime import Engine, EngineOptions
     from runtime.tokenizer import Tokenizer, generation_defaults
@@ -353,36 +427,96 @@ def test_real_tiny_engine_through_zmq(tmp_path):
     engine = Engine.start(tmp_path, tp=1, options=options)
     service = Service(engine, Tokenizer.from_dir(tmp_path), "tiny", 1024, generation_defaults(tmp_path))
     srv = ZmqServer(service, "tcp://127.0.0.1:*", api_key="k")
-    srv.start()
     try:
-        with ZmqClient(srv.endpoint, api_key="k", timeout_s=60) as c:
-            assert c.health()["model"] == "tiny" and c.models()[0]["id"] == "tiny"
-            messages = user("Say hello")
-            n_prompt = c.count_tokens(messages)
-            greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
-            whole = c.chat(messages, stream=False, **greedy)
-            stream = c.chat(messages, **greedy)
-            parts = list(stream)
-            assert stream.result.prompt_tokens == whole.prompt_tokens == n_prompt
-            assert "".join(d.text for d in parts if d.kind == "reasoning") == whole.reasoning == stream.result.reasoning
-            assert stream.result.content == whole.content and whole.finish_reason == "length"
-            assert whole.usage["completion_tokens"] == 12 and whole.usage["prompt_tokens"] == n_prompt
-
-            out = c.tokens([1, 2, 3], stream=False, max_tokens=5, temperature=0, ignore_eos=True,
-                           return_prompt_ids=True)
-            assert out.prompt_ids == [1, 2, 3] and out.usage["completion_tokens"] == 5
-
-            long = c.chat(messages, max_tokens=900, temperature=0, ignore_eos=True)
-            next(iter(long))
-            long.cancel()
-            list(long)
-            assert long.result.finish_reason == "cancelled"
-            c.chat(messages, stream=False, **greedy)        # the engine drained the cancel before this one
-            assert engine.stats()["cancelled"] == 1 and engine.stats()["running"] == 0
-
-            with pytest.raises(ZmqAPIError) as e:
-                c.chat(user("word " * 2000))
-            assert (e.value.status, e.value.code) == (400, "context_length_exceeded")
+        srv.start()
+        yield engine, service, srv
     finally:
         srv.stop()
         service.shutdown()
+
+
+def test_real_tiny_engine_through_zmq(tiny):
+    engine, service, srv = tiny
+    with ZmqClient(srv.endpoint, api_key="k", timeout_s=60) as c:
+        assert c.health()["model"] == "tiny" and c.models()[0]["id"] == "tiny"
+        messages = user("Say hello")
+        n_prompt = c.count_tokens(messages)
+        greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+        whole = c.chat(messages, stream=False, **greedy)
+        stream = c.chat(messages, **greedy)
+        parts = list(stream)
+        assert stream.result.prompt_tokens == whole.prompt_tokens == n_prompt
+        assert "".join(d.text for d in parts if d.kind == "reasoning") == whole.reasoning == stream.result.reasoning
+        assert stream.result.content == whole.content and whole.finish_reason == "length"
+        assert whole.usage["completion_tokens"] == 12 and whole.usage["prompt_tokens"] == n_prompt
+
+        out = c.tokens([1, 2, 3], stream=False, max_tokens=5, temperature=0, ignore_eos=True,
+                       return_prompt_ids=True)
+        assert out.prompt_ids == [1, 2, 3] and out.usage["completion_tokens"] == 5
+
+        long = c.chat(messages, max_tokens=900, temperature=0, ignore_eos=True)
+        next(iter(long))
+        long.cancel()
+        list(long)
+        assert long.result.finish_reason == "cancelled"
+        c.chat(messages, stream=False, **greedy)        # the engine drained the cancel before this one
+        assert engine.stats()["cancelled"] == 1 and engine.stats()["running"] == 0
+
+        with pytest.raises(ZmqAPIError) as e:
+            c.chat(user("word " * 2000))
+        assert (e.value.status, e.value.code) == (400, "context_length_exceeded")
+
+
+def test_real_tiny_engine_logprobs_and_logit_bias(tiny):
+    engine, service, srv = tiny
+    tok = service.tokenizer
+    prompt = [1, 2, 3]
+    greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    with ZmqClient(srv.endpoint, api_key="k", timeout_s=60) as c:
+        plain = c.tokens(prompt, stream=False, **greedy)
+        stream = c.tokens(prompt, logprobs=3, **greedy)
+        kinds = [d.kind for d in stream]
+        r = stream.result
+        assert r.usage["completion_tokens"] == 10 and r.finish_reason == "length"
+        assert len(r.logprobs) == 10 == kinds.count("logprobs") and kinds[0] == "logprobs"
+        assert r.content == plain.content and plain.logprobs is None      # asking for logprobs changes nothing
+        for e in r.logprobs:
+            top = e["top_logprobs"]
+            assert len(top) == 3 and e["logprob"] <= 0
+            assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert (top[0]["bytes"], top[0]["logprob"], top[0]["token"]) == (e["bytes"], e["logprob"], e["token"])
+            assert all(isinstance(b, int) and 0 <= b < 256 for t in (e, *top) for b in t["bytes"])
+            assert e["token"] == bytes(e["bytes"]).decode("utf-8", errors="replace")
+        zero = c.tokens(prompt, stream=False, logprobs=0, **greedy)
+        assert [e["top_logprobs"] for e in zero.logprobs] == [[]] * 10
+        assert [(e["bytes"], e["logprob"]) for e in zero.logprobs] == [(e["bytes"], e["logprob"]) for e in r.logprobs]
+
+        # +100 on an id that is neither the unbiased first token nor EOS: it is generated first
+        first = bytes(r.logprobs[0]["bytes"])
+        target = next(i for i in range(33, 127) if tok.token_bytes(i) not in (first, b"")
+                      and i not in service.stop_token_ids)
+        for key in (target, str(target)):                  # an integer key, and a decimal string as JSON has
+            forced = c.tokens(prompt, stream=False, logprobs=0, logit_bias={key: 100},
+                              return_prompt_ids=True, **dict(greedy, max_tokens=1))
+            assert forced.prompt_ids == prompt and forced.usage["completion_tokens"] == 1
+            assert bytes(forced.logprobs[0]["bytes"]) == tok.token_bytes(target)
+            assert forced.content == tok.decode([target])
+        # -100 on the unbiased first token (every id with its bytes): something else comes first
+        avoid = c.tokens(prompt, stream=False, logprobs=0, **dict(greedy, max_tokens=1),
+                         logit_bias={i: -100 for i in range(tok.vocab_size) if tok.token_bytes(i) == first})
+        assert bytes(avoid.logprobs[0]["bytes"]) != first
+
+        # bad values: a 400 naming the field; the endpoint keeps serving
+        bad = [("logprobs", v) for v in (21, -1, "x", True)] + [("logit_bias", v) for v in (
+            [target, 1], "x", {target: 101}, {"abc": 1}, {i: 1 for i in range(301)},
+            {engine.spec.vocab_size: 5}, {2**31 - 1: 1})]     # the last two: outside the vocabulary (submit's check)
+        for name, value in bad:
+            for call in (lambda: c.tokens(prompt, **{name: value}), lambda: c.chat(user("hi"), **{name: value})):
+                with pytest.raises(ZmqAPIError) as e:
+                    call()
+                assert (e.value.status, e.value.kind, e.value.param) == (400, "invalid_request", name), (name, value)
+        assert "outside the vocabulary" in e.value.message and e.value.message.startswith("logit_bias token id")
+        assert c.health()["status"] == "ok"
+        again = c.tokens(prompt, stream=False, logprobs=3, **greedy)
+        assert again.content == r.content and again.logprobs == r.logprobs
+        assert engine.stats()["running"] == 0
