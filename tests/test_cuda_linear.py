@@ -296,24 +296,32 @@ def _launch(kernel, x, w, out, ks, mode, residual=None):
     return out
 
 
+def _same_bits(kind, w, O, I, seed, pairs, max_kt=None):
+    """Each (kernel a, kernel b, column counts) of `pairs` does the same arithmetic in the same order
+    (the same decoded bf16 words, the same mma sequence per warp, the same reductions): with the same ks
+    the outputs are equal bit for bit, for every ks (whose x per iteration fits max_kt elements, when
+    given), column count and epilogue."""
+    epc = 32 if kind == "nvfp4" else 16
+    steps = -(-(I // epc) // 4)
+    for ks in (k for k in (1, 2, 4, 8) if k <= steps and (max_kt is None or k * 4 * epc <= max_kt)):
+        for a, b, cols in pairs:
+            for T in cols:
+                x = _x(T, I, seed + 7 * ks + T)
+                res = torch.randn(T, O, device="cuda", generator=_gen(seed + ks + T)).to(torch.bfloat16)
+                for mode in (0, 1, 2) if O % 2 == 0 else (0, 1):
+                    shape = (T, O // 2) if mode == 2 else (T, O)
+                    outs = []
+                    for kernel in (a, b):
+                        out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+                        outs.append(_launch(kernel, x, w, out, ks, mode, res if mode == 1 else None))
+                    assert not torch.isnan(outs[1]).any(), (b, ks, T, mode, "unwritten output")
+                    assert torch.equal(outs[0], outs[1]), (b, ks, T, mode, rel(outs[1], outs[0]))
+
+
 def _pipe_equals_tc(kind, w, O, I, seed):
-    """gemv_*_pipe does gemv_*_tc's arithmetic (one column tile) in the same order: the same decoded
-    bf16 words, the same mma sequence per warp, the same reductions. With the same ks the outputs are
-    equal bit for bit, for every ks, column count and epilogue."""
+    """gemv_*_pipe re-implements gemv_*_tc (one column tile)."""
     tag = _TAG[kind]
-    steps = -(-(I // (32 if kind == "nvfp4" else 16)) // 4)
-    for ks in (k for k in (1, 2, 4, 8) if k <= steps):
-        for T in (1, 3, 8):
-            x = _x(T, I, seed + 7 * ks + T)
-            res = torch.randn(T, O, device="cuda", generator=_gen(seed + ks + T)).to(torch.bfloat16)
-            for mode in (0, 1, 2) if O % 2 == 0 else (0, 1):
-                shape = (T, O // 2) if mode == 2 else (T, O)
-                outs = []
-                for kernel in (f"gemv_{tag}_tc", f"gemv_{tag}_pipe"):
-                    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-                    outs.append(_launch(kernel, x, w, out, ks, mode, res if mode == 1 else None))
-                assert not torch.isnan(outs[1]).any(), (ks, T, mode, "unwritten output")
-                assert torch.equal(outs[0], outs[1]), (ks, T, mode, rel(outs[1], outs[0]))
+    _same_bits(kind, w, O, I, seed, [(f"gemv_{tag}_tc", f"gemv_{tag}_pipe", (1, 3, 8))])
 
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)
@@ -504,22 +512,11 @@ XS_ODD = [(k, o, i) for k in PIPE_KINDS for o in (1, 3, 77, 300) for i in (16, 4
 
 
 def _staged_equals_tc(kind, w, O, I, seed):
+    """gemv_*_xs16 / xs32 re-implement gemv_*_tc16 / tc32 (x read from shared memory), for every ks whose
+    iteration of x fits the staging buffer (256 elements per column)."""
     tag = _TAG[kind]
-    epc = 32 if kind == "nvfp4" else 16
-    steps = -(-(I // epc) // 4)
-    for ks in (k for k in (1, 2, 4) if k <= steps and k * 4 * epc <= 256):
-        for suffix, cols in (("16", (9, 16)), ("32", (17, 32))):
-            for T in cols:
-                x = _x(T, I, seed + 11 * ks + T)
-                res = torch.randn(T, O, device="cuda", generator=_gen(seed + ks + T)).to(torch.bfloat16)
-                for mode in (0, 1, 2) if O % 2 == 0 else (0, 1):
-                    shape = (T, O // 2) if mode == 2 else (T, O)
-                    outs = []
-                    for kernel in (f"gemv_{tag}_tc{suffix}", f"gemv_{tag}_xs{suffix}"):
-                        out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-                        outs.append(_launch(kernel, x, w, out, ks, mode, res if mode == 1 else None))
-                    assert not torch.isnan(outs[1]).any(), (ks, T, mode, "unwritten output")
-                    assert torch.equal(outs[0], outs[1]), (ks, T, mode, rel(outs[1], outs[0]))
+    _same_bits(kind, w, O, I, seed, [(f"gemv_{tag}_tc16", f"gemv_{tag}_xs16", (9, 16)),
+                                     (f"gemv_{tag}_tc32", f"gemv_{tag}_xs32", (17, 32))], max_kt=256)
 
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)

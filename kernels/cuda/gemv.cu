@@ -603,6 +603,30 @@ __device__ __forceinline__ void tc_store(bf16_t* __restrict__ y, const bf16_t* r
     }
 }
 
+// The end of gemv_*_tc and gemv_*_xs, in the kslot-0 warp of each row tile: the ks warps' partial sums
+// of its NB column tiles (red, after the barrier), scaled per row and stored through the epilogue. v[0],
+// v[1]: rows[0], columns 8 nb + 2t, +1; v[2], v[3]: rows[1], the same columns.
+template <int KIND, int NB>
+__device__ __forceinline__ void tc_reduce_store(const float (*red)[NB][4][32], int uslot, int ks, int lane, int t,
+                                                bf16_t* __restrict__ y, const bf16_t* residual,
+                                                const void* __restrict__ scale, const float* __restrict__ gscale,
+                                                const bool (&ok)[2], const int (&rows)[2], int T, int O, int F,
+                                                int mode, const Split& split) {
+    float mul[2];
+    tc_row_scales<KIND>(scale, gscale, ok, rows, mul);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float s = 0.f;
+            for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
+            v[i] = s;
+        }
+        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode, split);
+    }
+}
+
 // NB column tiles of 8: T <= 8 NB. Steps in flight per lane (U) shrink as NB grows, to keep the
 // accumulators in registers.
 template <int KIND, int NB>
@@ -714,20 +738,7 @@ __device__ __forceinline__ void gemv_tc_body(bf16_t* __restrict__ y, const bf16_
         }
     __syncthreads();
     if (kslot != 0) return;
-    // v[0], v[1]: rows[0], columns 8 nb + 2t, +1; v[2], v[3]: rows[1], the same columns.
-    float mul[2];
-    tc_row_scales<KIND>(scale, gscale, ok, rows, mul);
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float s = 0.f;
-            for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
-            v[i] = s;
-        }
-        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode, split);
-    }
+    tc_reduce_store<KIND, NB>(red, uslot, ks, lane, t, y, residual, scale, gscale, ok, rows, T, O, F, mode, split);
 }
 
 // Two blocks per SM (<= 128 registers) up to two column tiles; four tiles need more registers than
@@ -874,19 +885,7 @@ __device__ __forceinline__ void gemv_xs_body(bf16_t* __restrict__ y, const bf16_
         for (int i = 0; i < 4; ++i) red[warp][nb][i][lane] = acc[nb][0][i];
     __syncthreads();
     if (kslot != 0) return;
-    float mul[2];
-    tc_row_scales<KIND>(scale, gscale, ok, rows, mul);
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float s = 0.f;
-            for (int k = 0; k < ks; ++k) s += red[uslot * ks + k][nb][i][lane];
-            v[i] = s;
-        }
-        tc_store(y, residual, v, mul, ok, rows, 8 * nb + 2 * t, T, O, F, mode, split);
-    }
+    tc_reduce_store<KIND, NB>(red, uslot, ks, lane, t, y, residual, scale, gscale, ok, rows, T, O, F, mode, split);
 }
 
 // Two blocks per SM for both widths (<= 128 registers without spills: x is not held in registers).
