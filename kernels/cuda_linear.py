@@ -55,6 +55,8 @@ GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
 # cuBLAS's split-K launch pair (27B nvfp4 C = 8 step, docs/perf.md thirteenth session: a|b on cuBLAS
 # 0.58 ms per step, ~12 us a layer).
 SMALL_BF16_ELEMS = 1 << 21
+# Benchmarks: another bound than GEMV_COLUMNS for the quantised kinds (1..64; read at every launch plan).
+QCOLUMNS_ENV = "TANDEM_GEMV_QCOLUMNS"
 WARPS = 8
 ROWS_PER_WARP = 2
 _NT_BUCKETS = (1, 2, 4, 8, 16)
@@ -492,11 +494,18 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | Non
     """Whether a launch of T columns goes to the GEMV kernels (else cuBLAS): up to GEMV_COLUMNS[kind];
     a bf16 weight of at most SMALL_BF16_ELEMS elements (O given) up to MAX_GEMV_COLUMNS; and bf16 up
     to 8 columns under the pipelined variant (gemv_bf16_pipe); variant None: the environment's."""
-    if T <= GEMV_COLUMNS[kind]:
+    if T <= gemv_columns(kind):
         return True
     if kind == "bf16" and O is not None and O * I <= SMALL_BF16_ELEMS and T <= MAX_GEMV_COLUMNS:
         return True
     return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
+
+
+def gemv_columns(kind: str) -> int:
+    """The most columns of a `kind` weight on the GEMV: GEMV_COLUMNS[kind], or $TANDEM_GEMV_QCOLUMNS for
+    the quantised kinds."""
+    q = L.env_int(QCOLUMNS_ENV, 1, 64) if kind != "bf16" else None
+    return GEMV_COLUMNS[kind] if q is None else q
 
 
 def _shape(w):
