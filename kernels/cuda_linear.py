@@ -2,7 +2,7 @@
 
 Few columns run the GEMV kernels of kernels/cuda/gemv.cu (weights dequantised in registers, each
 weight byte read once for all the columns of a launch): bf16 up to GEMV_COLUMNS["bf16"], quantised
-weights up to 64 columns (the tensor-core kernels take 32 per launch). More columns (prefill)
+weights up to 64 (fp8) or 32 (nvfp4) columns (the tensor-core kernels take 32 per launch). More columns (prefill)
 dequantise row slabs into a bf16 scratch with a kernel and call torch.matmul (cuBLAS). Everything
 launches on torch's current stream without host syncs, so it captures into CUDA graphs.
 
@@ -48,8 +48,12 @@ MAX_GEMV_COLUMNS = 16                  # columns per launch of the CUDA-core GEM
 # columns); beyond it bf16 goes to cuBLAS and quantised weights are dequantised in slabs for cuBLAS.
 # From scripts/bench/linear.py and decode.py on an H200 (docs/perf.md): the CUDA-core GEMV beats
 # cuBLAS for bf16 only at T <= 2 (it is FMA-bound beyond); a dequantised copy of a quantised weight
-# costs ~5x its bytes per step, so quantised weights stay on the (tensor-core) GEMV up to 64 columns.
-GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
+# costs ~5x its bytes per step, so quantised weights stay on the (tensor-core) GEMV up to 64 columns
+# (two launches of 32), except nvfp4: from 16 columns its GEMV is bound by the decoding work, not the
+# bytes, and a second 32-column pass cost more than the dequantised copy (27B, fourteenth session: a
+# 64-token prefill step 47.6 against 58.0 ms of kernels, the C = 64 decode step 53.5-54.0 against 56.3
+# ms; fp8 at C = 64 61.5 against 57.9 ms, so fp8 keeps 64).
+GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 32}
 # A small bf16 weight (at most this many elements: the GDN a|b projections a quantised model keeps in
 # bf16, 96 x 5120 on the 27B) stays on the GEMV up to MAX_GEMV_COLUMNS: its few FMAs cost less than
 # cuBLAS's split-K launch pair (27B nvfp4 C = 8 step, docs/perf.md thirteenth session: a|b on cuBLAS

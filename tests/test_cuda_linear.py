@@ -50,7 +50,8 @@ def every_column_count_on_the_gemv(monkeypatch):
     of up to 32), whatever the route table sends to cuBLAS in production; test_routes_to_cublas
     covers the other side."""
     from kernels import cuda_linear
-    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=cuda_linear.MAX_GEMV_COLUMNS))
+    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=cuda_linear.MAX_GEMV_COLUMNS,
+                                                          nvfp4=64))
 
 
 def _gen(seed):

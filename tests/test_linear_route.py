@@ -30,9 +30,17 @@ def test_quantised_columns_go_to_the_tensor_core_kernels(kind, tag, staged, monk
         assert r["path"] == "gemv" and r["kernel"] == f"gemv_{tag}_{suffix}", (T, r)
         assert r["nt"] >= T
     assert cl.launch_columns(kind, 5120) == 32
-    for T in (33, 64):                                 # two launches of the 32-column kernel
-        assert cl.route(34816, 5120, T, kind, SM)["kernel"] == f"gemv_{tag}_{wide}32"
-    assert cl.route(34816, 5120, 65, kind, SM)["path"] == "dequant_matmul"
+    most = 32 if kind == "nvfp4" else 64               # nvfp4: a second 32-column pass costs more than dequantising
+    assert cl.GEMV_COLUMNS[kind] == most
+    for T in (33, 64):                                 # fp8: two launches of the 32-column kernel
+        r = cl.route(34816, 5120, T, kind, SM)
+        assert r["path"] == "dequant_matmul" if T > most else r["kernel"] == f"gemv_{tag}_{wide}32", (T, r)
+    assert cl.route(34816, 5120, most + 1, kind, SM)["path"] == "dequant_matmul"
+    monkeypatch.setenv(cl.QCOLUMNS_ENV, "64")          # the benchmark knob
+    assert cl.route(34816, 5120, 64, kind, SM)["kernel"] == f"gemv_{tag}_{wide}32"
+    monkeypatch.setenv(cl.QCOLUMNS_ENV, "65")
+    with pytest.raises(KernelError, match=cl.QCOLUMNS_ENV):
+        cl.route(34816, 5120, 64, kind, SM)
 
 
 @pytest.mark.parametrize("kind", ["fp8_row", "fp8_block", "nvfp4"])
@@ -70,8 +78,9 @@ def test_small_single_column_layers_keep_the_cuda_core_kernel():
 
 def test_nvfp4_with_odd_half_groups_uses_16_column_launches():
     assert cl.launch_columns("nvfp4", 1040) == 16
-    for T in (1, 9, 16, 40):
+    for T in (1, 9, 16, 32):
         assert cl.route(77, 1040, T, "nvfp4", SM)["kernel"] == "gemv_nvfp4h_t16"
+    assert cl.route(77, 1040, 40, "nvfp4", SM)["path"] == "dequant_matmul"
 
 
 def test_bf16_beyond_two_columns_goes_to_cublas():
@@ -117,7 +126,7 @@ def test_pipelined_variant_takes_quantised_launches_of_up_to_8_columns(kind, tag
                 assert r["units"] == tiles and r["grid"][0] * (8 // r["ks"]) >= tiles
                 assert r["ks"] in (1, 2, 4, 8) and r["ks"] <= max(1, -(-(I // (32 if kind == "nvfp4" else 16)) // 4))
         # beyond 8 columns the tensor-core kernels as before, in the same launches
-        for T, suffix in ((9, "16"), (16, "16"), (17, "32"), (32, "32"), (40, "32")):
+        for T, suffix in ((9, "16"), (16, "16"), (17, "32"), (32, "32")) + (((40, "32"),) if kind != "nvfp4" else ()):
             assert cl.route(O, I, T, kind, SM, variant="pipelined")["kernel"] == f"gemv_{tag}_tc{suffix}"
         assert cl.route(O, I, 65, kind, SM, variant="pipelined")["path"] == "dequant_matmul"
     # the tensor-core route is unchanged
