@@ -53,6 +53,7 @@ class SeqSampler:
     banned: tuple[int, ...] = ()                             # ids never sampled (their logits -> -inf)
     bias: tuple[tuple[int, float], ...] = ()                 # (id, value): logit_bias, added to the raw logit
     logprobs: int = -1                                       # -1: none; k >= 0: the token's logprob + k alternatives
+    prompt_logprobs: int = -1                                # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
         self.banned = tuple(int(t) for t in self.banned)     # msgpack brings a list

@@ -39,6 +39,7 @@ from transport import control as msg
 from transport.mailbox import Mailbox
 
 log = logging.getLogger(__name__)
+PROMPT_LOGPROB_ROWS = 256      # prompt columns per head launch for prompt logprobs (bounds the logits' memory)
 
 
 @dataclass
@@ -223,11 +224,12 @@ class Worker:
             at += c
         if self.transport is not None:
             self.transport.check()                      # a peer's hang shows here, not as garbage
+        prompt_lp = self._prompt_logprobs(plan, out.hidden, seq_ids, columns, starts, tokens)
         rows = [b for b, flag in enumerate(plan.sample.tolist()) if flag]
         smp = [self.samplers[seq_ids[b]] for b in rows]
         positions = [starts[b] + columns[b] for b in rows]
         # decode-sized steps only: a long prefill chunk would leave the rank spinning for its whole length
-        if rows and self.device_feed and self.model_feeds(columns) \
+        if rows and self.device_feed and self.model_feeds(columns) and prompt_lp is None \
                 and not any(s.needs_full_distribution or s.logprobs >= 0 for s in smp):
             self._pend(plan, seq_ids, rows, take_rows(out.logits, rows).float(), smp, positions, t0,
                        feed is not None)
@@ -247,11 +249,12 @@ class Worker:
                     logprobs[j] = e
         if self.profiler is not None:
             self.profiler.mark("sampled")
-        result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None, logprobs)
+        result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None, logprobs, prompt_lp)
         return done + ([result] if result is not None else [])
 
     def _finish_step(self, plan: msg.StepPlan, seq_ids: list[int], rows: list[int], sampled: list[int],
-                     t0: float, fed: bool, logprobs: list | None = None) -> msg.StepResult | None:
+                     t0: float, fed: bool, logprobs: list | None = None,
+                     prompt_logprobs: dict | None = None) -> msg.StepResult | None:
         for b, t in zip(rows, sampled):                 # what a step planned ahead feeds (every rank)
             self.last_sampled[seq_ids[b]] = t
         for sid in plan.finished:
@@ -261,7 +264,42 @@ class Worker:
             return None
         return msg.StepResult(step=plan.step, seq_ids=np.array([seq_ids[b] for b in rows], dtype=np.int64),
                               tokens=np.array(sampled, dtype=np.int64), elapsed_s=time.perf_counter() - t0,
-                              fed=fed, logprobs=logprobs)
+                              fed=fed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, plan: msg.StepPlan, hidden: torch.Tensor, seq_ids: list[int], columns: list[int],
+                         starts: list[int], tokens: np.ndarray) -> dict | None:
+        """The prompt logprob entries of this step's prompt columns, for the sequences that asked: column
+        i of a chunk predicts the prompt token at its position + 1 (the chunk's next input, or for its
+        last column StepPlan.prompt_next; a column that predicts the first sampled token is left to the
+        sampled token's own entry). The head runs on those columns only, PROMPT_LOGPROB_ROWS at a time.
+        None when no sequence asked. Collective (every rank has the same plan)."""
+        rows, toks, tops, owner = [], [], [], []
+        at = 0
+        for sid, c, st in zip(seq_ids, columns, starts):
+            s = self.samplers[sid]
+            if s.prompt_logprobs >= 0 and st < s.prompt_len:
+                for i in range(c):
+                    if st + i + 1 >= s.prompt_len:
+                        break
+                    t = int(tokens[at + i + 1]) if i + 1 < c else plan.prompt_next.get(sid)
+                    if t is None:
+                        break
+                    rows.append(at + i)
+                    toks.append(int(t))
+                    tops.append(s.prompt_logprobs)
+                    owner.append(sid)
+            at += c
+        if not rows:
+            return None
+        out: dict[int, list] = {}
+        for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            idx = torch.tensor(rows[a:a + PROMPT_LOGPROB_ROWS], dtype=torch.int64)
+            logits = self.model.head_logits(hidden.index_select(0, idx.to(hidden.device))).float()
+            got = token_logprobs(logits, toks[a:a + PROMPT_LOGPROB_ROWS], tops[a:a + PROMPT_LOGPROB_ROWS],
+                                 rank=self.rank, tp=self.tp, gather=self.mailbox.all_gather)
+            for sid, e in zip(owner[a:a + PROMPT_LOGPROB_ROWS], got):
+                out.setdefault(sid, []).append(e)
+        return out
 
     # ---- device-fed steps ---------------------------------------------------------------------------
 
@@ -372,7 +410,7 @@ class Worker:
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
             if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),
                                         [s.greedy and not s.has_penalties and not s.banned and not s.bias and s.logprobs < 0
-                                         for s in smp],
+                                         and s.prompt_logprobs < 0 for s in smp],
                                         kv_tokens, stops):
                 return self._gpu_round(plan, batch, stops, ndraft, t0)
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])
@@ -441,6 +479,7 @@ class Worker:
                     accepted[b] = accepted[b][:i + 1]
                     break
         logprobs = self._round_logprobs(logits, rows, seq_ids, col_logits, accepted)
+        prompt_lp = self._prompt_logprobs(plan, out.hidden, seq_ids, columns, starts, tokens)
         t_acc = time.perf_counter()
         if out.kept is not None:
             self.model.commit(out.kept, self.state, [len(accepted.get(b, [0])) - 1 for b in out.kept.seqs])
@@ -461,7 +500,7 @@ class Worker:
                               tokens=np.array(toks, dtype=np.int64),
                               counts=np.array([len(accepted[b]) for b in rows], dtype=np.int32),
                               drafts=np.array([drafts[b] for b in rows], dtype=np.int64).reshape(len(rows), self.spec_k),
-                              elapsed_s=time.perf_counter() - t0, logprobs=logprobs)
+                              elapsed_s=time.perf_counter() - t0, logprobs=logprobs, prompt_logprobs=prompt_lp)
 
     def _round_logprobs(self, logits, rows: list[int], seq_ids: list[int], col_logits: dict,
                         accepted: dict) -> list | None:

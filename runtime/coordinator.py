@@ -386,8 +386,17 @@ class Coordinator:
                 new_sampling[s.id]["bias"] = [[t, v] for t, v in p.logit_bias]
             if p.logprobs is not None:
                 new_sampling[s.id]["logprobs"] = p.logprobs
+            if p.prompt_logprobs is not None:
+                new_sampling[s.id]["prompt_logprobs"] = p.prompt_logprobs
+        prompt_next = {}
+        for s, c in zip(plan.seqs, plan.columns):
+            end = s.computed + c
+            if s.params.prompt_logprobs is not None and plan.starts is None and s.computed < len(s.prompt) \
+                    and end < len(s.prompt):
+                prompt_next[s.id] = s.prompt[end]
         spec_stops = {s.id: sorted(s.stop_ids) for s in plan.new} if self.options.spec_draft_tokens else {}
         step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, spec_stops=spec_stops,
+                            prompt_next=prompt_next,
                             **arrays)
         frames = step.to_frames()
         for r in range(self.tp):
@@ -416,6 +425,10 @@ class Coordinator:
                 if c and result.logprobs[at] is not None:
                     lps[sid] = result.logprobs[at:at + c]
                 at += c
+        for sid, entries in (result.prompt_logprobs or {}).items():
+            s = self.seqs.get(int(sid))
+            if s is not None:
+                s.new_prompt_logprobs = (s.new_prompt_logprobs or []) + list(entries)
         with self._lock:
             events = self.scheduler.commit(plan, sampled, drafts, lps)
         hook = self.options.spec_draft_hook
@@ -426,7 +439,8 @@ class Coordinator:
         for s, tokens, reason in events:
             self.counters["generated_tokens"] += len(tokens)
             if reason is None:
-                self.streams[s.id]._push(Event(s.id, tokens, logprobs=_take_logprobs(s)))
+                self.streams[s.id]._push(Event(s.id, tokens, logprobs=_take_logprobs(s),
+                                               prompt_logprobs=_take_prompt_logprobs(s)))
             else:
                 self._finish(s, last_tokens=tokens)
         if result.fed:
@@ -505,7 +519,8 @@ class Coordinator:
                 spec = dict(s.spec, tokens_per_round=(s.spec["accepted"] + s.spec["rounds"]) / s.spec["rounds"])
             stream._push(Event(s.id, tokens, finish_reason=reason, error=s.error if s.status == Status.FAILED else None,
                                usage=usage, timings=timings, spec=spec,
-                               logprobs=_take_logprobs(s) if tokens else None))
+                               logprobs=_take_logprobs(s) if tokens else None,
+                               prompt_logprobs=_take_prompt_logprobs(s)))
 
     def _fail(self, reason: str, status: Status = Status.FAILED) -> None:
         """End every request; with FAILED the engine also turns unhealthy and stops its ranks."""
@@ -543,6 +558,12 @@ class Coordinator:
 def _take_logprobs(s: Sequence) -> list | None:
     """The logprob entries of the tokens added since the last event (None: the request did not ask)."""
     out, s.new_logprobs = s.new_logprobs, ([] if s.new_logprobs is not None else None)
+    return out
+
+
+def _take_prompt_logprobs(s: Sequence) -> list | None:
+    """The prompt logprob entries reported since the last event (None when none came)."""
+    out, s.new_prompt_logprobs = s.new_prompt_logprobs, None
     return out
 
 

@@ -113,6 +113,9 @@ class Event:
     # token's log-probability under the model's raw distribution and the k most likely ids), or None
     # for a token inserted without sampling (a thinking budget's closing tokens)
     logprobs: list | None = None
+    # SamplingParams.prompt_logprobs set: entries of prompt positions 1, 2, ... (the same shape), arriving
+    # with the event of the first generated token (all of them, whatever the prefill's chunks)
+    prompt_logprobs: list | None = None
 
     @property
     def final(self) -> bool:
@@ -129,6 +132,7 @@ class Completion:
     timings: dict | None
     spec: dict | None = None
     logprobs: list | None = None       # SamplingParams.logprobs set: one entry per token (Event.logprobs)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs set: prompt positions 1.. (Event)
 
 
 class RequestStream:
@@ -191,14 +195,17 @@ class RequestStream:
         """Block until the request ends; all its tokens and how it ended."""
         tokens: list[int] = []
         logprobs: list | None = None
+        prompt: list | None = None
         while True:
             ev = self.get(timeout)
             tokens.extend(ev.tokens)
             if ev.logprobs is not None:
                 logprobs = (logprobs or []) + list(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                prompt = (prompt or []) + list(ev.prompt_logprobs)
             if ev.final:
                 return Completion(self.id, tokens, ev.finish_reason, ev.error, ev.usage, ev.timings, ev.spec,
-                                  logprobs)
+                                  logprobs, prompt)
 
 
 class Engine:

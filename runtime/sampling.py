@@ -34,6 +34,9 @@ class SamplingParams:
     # logprobs: None = off; k (0..MAX_TOP_LOGPROBS) = each generated token's log-probability under the
     # model's raw distribution and its k most likely alternatives (runtime.engine.Event.logprobs)
     logprobs: int | None = None
+    # prompt_logprobs: None = off; k = the log-probability of every prompt token after the first (given
+    # the ones before it) and its k most likely alternatives (runtime.engine.Event.prompt_logprobs)
+    prompt_logprobs: int | None = None
     # Thinking budget: after `thinking_budget` generated tokens without one of `thinking_end_ids`
     # (e.g. the id of "</think>"), the next token is replaced by `thinking_close_ids` (e.g. the ids of
     # "\n</think>\n\n"), inserted without sampling. None = no budget.
@@ -61,6 +64,10 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                          and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
                "thinking_budget", self.thinking_budget, "an integer >= 0")
         _check(self.thinking_budget is None or bool(self.thinking_close_ids), "thinking_close_ids",

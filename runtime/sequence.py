@@ -46,6 +46,8 @@ class Sequence:
     # params.logprobs set: the entries of tokens appended since the coordinator last took them, one per
     # token ([logprob, [[id, logprob], ...]], or None for a token inserted without sampling)
     new_logprobs: list | None = None
+    # params.prompt_logprobs set: prompt entries (position 1 on) reported by the ranks, not yet in an event
+    new_prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         self.thinking = self.params.thinking_budget is not None

@@ -5,11 +5,13 @@ are refused: send one request per prompt). max_tokens defaults to 16 as OpenAI's
 prepends the prompt text (streaming: in the first chunk). Stream chunks and the final object are
 `text_completion` objects with one cmpl- id; usage chunk with stream_options.include_usage; `[DONE]`.
 n (1..128) choices as in chat completions (best_of only equal to n: choices are not ranked). Refused with
-a 400 naming the field: best_of other than n, a non-empty suffix, echo together with logprobs
-(the prompt's log-probabilities are not computed). logit_bias is applied as in chat completions
-(server/openai_chat.py). logprobs (0..5): each generated token's log-probability under the model's raw
-distribution and that many alternatives, as {tokens, token_logprobs, top_logprobs, text_offset} (a
-stream chunk carries the tokens generated since the previous chunk).
+a 400 naming the field: best_of other than n, a non-empty suffix. logit_bias is applied as in chat
+completions (server/openai_chat.py). logprobs (0..5): each generated token's log-probability under the
+model's raw distribution and that many alternatives, as {tokens, token_logprobs, top_logprobs,
+text_offset} (a stream chunk carries the tokens generated since the previous chunk). With echo, the
+prompt's tokens come first (what scoring clients such as lm-eval's loglikelihood read): the first with
+token_logprobs / top_logprobs null, each other given the tokens before it; streamed, the echo chunk
+waits for the prefill and carries them. text_offset counts from the start of the echoed prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from server.disconnect import Guarded, until_disconnect
 from server.errors import openai_error_body
 from server import choices
 from server.openai_chat import choices_field, sampling_fields, stream_options
-from server.service import APIError, ContentDelta, Finish, Prepared, Service, TextRequest, TokenLogprobs
+from server.service import (APIError, ContentDelta, Finish, Prepared, PromptLogprobs, Service, TextRequest,
+                            TokenLogprobs)
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 5                       # alternatives per token (OpenAI's limit for this API)
@@ -76,9 +79,6 @@ def parse(body: dict[str, Any]) -> tuple[TextRequest, bool, int]:
     n = choices_field(f)
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = bool(f.boolean("echo"))
-    if echo and logprobs is not None:
-        raise P.bad("echo with logprobs (the prompt's log-probabilities) is not supported by this server; "
-                    "logprobs of the generated tokens are (echo false)", "echo")
     best_of = f.integer("best_of", lo=1, hi=choices.MAX_CHOICES)
     if best_of is not None and best_of != n:                 # best_of = n returns every candidate: n choices
         raise P.bad("best_of other than n is not supported by this server (choices are not ranked); use n",
@@ -88,6 +88,7 @@ def parse(body: dict[str, Any]) -> tuple[TextRequest, bool, int]:
     max_tokens = f.integer("max_tokens", lo=1)
     sampling = sampling_fields(f)
     sampling.logprobs = logprobs
+    sampling.prompt_logprobs = logprobs if echo else None      # echo + logprobs: the prompt's tokens too
     req = TextRequest(prompt=prompt, max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                       stop=f.stop("stop"), sampling=sampling, echo=echo, model=model,
                       api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
@@ -105,10 +106,13 @@ def logprobs_object(entries: list | None, offset: int) -> tuple[dict | None, int
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
-        top: dict[str, float] = {}
-        for a in e["top_logprobs"]:                  # best first; ids with the same text keep the best value
-            top.setdefault(a["token"], a["logprob"])
-        out["top_logprobs"].append(top)
+        if e["top_logprobs"] is None:                # the prompt's first token (echo): nothing before it
+            out["top_logprobs"].append(None)
+        else:
+            top: dict[str, float] = {}
+            for a in e["top_logprobs"]:              # best first; ids with the same text keep the best value
+                top.setdefault(a["token"], a["logprob"])
+            out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(e["token"])
     return out, offset
@@ -137,7 +141,9 @@ async def completions(service: Service, request: Request) -> Response:
     return JSONResponse({
         "id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model,
         "system_fingerprint": None,
-        "choices": [{"text": echo + (r.content or ""), "index": i, "logprobs": logprobs_object(r.logprobs, len(echo))[0],
+        "choices": [{"text": echo + (r.content or ""), "index": i,
+                     "logprobs": logprobs_object(None if r.logprobs is None else (r.prompt_logprobs or []) + r.logprobs,
+                                                 0 if r.prompt_logprobs is not None else len(echo))[0],
                      "finish_reason": r.finish.finish_reason} for i, r in enumerate(results)],
         "usage": _usage(choices.total_usage([r.finish.usage for r in results]))})
 
@@ -163,12 +169,18 @@ async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, 
         return sse.event({**base, "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": finish}],
                           "usage": None})
 
-    if echo:
+    held = prepared.request.sampling.prompt_logprobs is not None    # echo + logprobs: echo with the prompt's
+    if echo and not held:
         for i in range(len(preps)):
             yield chunk(i, echo)
+    if held:
+        offsets = [0] * len(preps)
     try:
         async for i, d in choices.merged(service, preps):
-            if isinstance(d, TokenLogprobs):
+            if isinstance(d, PromptLogprobs):                          # the echo chunk, now with its logprobs
+                pending[i] += d.entries
+                yield chunk(i, echo)
+            elif isinstance(d, TokenLogprobs):
                 pending[i] += d.entries
             elif isinstance(d, ContentDelta):
                 yield chunk(i, d.text)

@@ -17,8 +17,8 @@ import weakref
 from typing import AsyncIterator
 
 from runtime import parsing
-from server.service import (APIError, ChatRequest, ContentDelta, Delta, Finish, Prepared, ReasoningDelta,
-                            TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
+from server.service import (APIError, ChatRequest, ContentDelta, Delta, Finish, Prepared, PromptLogprobs,
+                            ReasoningDelta, TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ def logprob_entry(tokenizer, token: int, entry: list) -> dict:
         return {"token": b.decode("utf-8", errors="replace"), "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(b)}
     lp, alts = entry
     return {**one(token, lp), "top_logprobs": [one(int(i), v) for i, v in alts]}
+
+
+def prompt_entries(tokenizer, prompt_ids: list[int], entries: list | None) -> list[dict]:
+    """The prompt's logprob entries: the first token's with logprob / top_logprobs None, then the
+    engine's (Event.prompt_logprobs: one per prompt token after the first) in logprob_entry's shape."""
+    b = tokenizer.token_bytes(prompt_ids[0])
+    first = {"token": b.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(b), "top_logprobs": None}
+    return [first] + [logprob_entry(tokenizer, t, e) for t, e in zip(prompt_ids[1:], entries or [])]
 
 
 def engine_error(text: str) -> APIError:
@@ -162,6 +170,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     decoder = service.tokenizer.incremental_decoder()
     eos = frozenset() if req.ignore_eos else service.stop_token_ids
     want_logprobs = req.sampling.logprobs is not None
+    want_prompt = req.sampling.prompt_logprobs is not None
     events = stream.__aiter__()
     engine_done = False
     try:
@@ -171,6 +180,9 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
         reason, matched, engine_timings, engine_usage, engine_spec = None, None, {}, {}, None
         while reason is None:
             ev = await events.__anext__()
+            if want_prompt and (ev.tokens or ev.final):     # the prefill is done: all of the prompt's entries
+                want_prompt = False
+                yield PromptLogprobs(prompt_entries(service.tokenizer, prepared.prompt_ids, ev.prompt_logprobs))
             for i, tok in enumerate(ev.tokens):
                 stats.token(tok)
                 if tok in eos:

@@ -65,6 +65,7 @@ class Sampling:
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] | None = None     # (token id, bias) pairs (OpenAI logit_bias)
     logprobs: int | None = None         # each generated token's logprob + this many alternatives; None: off
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions echo); None: off
 
 
 @dataclass
@@ -182,6 +183,14 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probabilities of the prompt's tokens (requests with Sampling.prompt_logprobs set), yielded once,
+    before the first generated token's deltas: one entry per prompt token in the TokenLogprobs shape, the
+    first token's with logprob and top_logprobs None (nothing comes before it)."""
+    entries: list[dict[str, Any]]
+
+
+@dataclass
 class Finish:
     """Last delta. finish_reason: stop | length | tool_calls | cancelled; usage has prompt_tokens,
     completion_tokens, total_tokens, reasoning_tokens, cached_tokens; matched_stop: the stop string,
@@ -197,7 +206,8 @@ class Finish:
     spec: dict | None = None
 
 
-Delta = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | TokenLogprobs | Finish
+Delta = (ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | TokenLogprobs | PromptLogprobs
+         | Finish)
 
 
 @dataclass
@@ -208,6 +218,7 @@ class Result:
     tool_calls: list[dict[str, Any]]        # [{"id", "name", "arguments"}], arguments a JSON object string
     finish: Finish
     logprobs: list[dict[str, Any]] | None = None    # Sampling.logprobs set: TokenLogprobs' entries, all of them
+    prompt_logprobs: list[dict[str, Any]] | None = None   # Sampling.prompt_logprobs set: PromptLogprobs' entries
 
 
 # Recommended sampling per mode (Qwen3.5/3.6 model cards): applied to fields the client omitted,
@@ -476,6 +487,8 @@ class Service:
             values["logit_bias"] = req.sampling.logit_bias
         if req.sampling.logprobs is not None:
             values["logprobs"] = req.sampling.logprobs
+        if req.sampling.prompt_logprobs is not None:
+            values["prompt_logprobs"] = req.sampling.prompt_logprobs
         values.update(max_new_tokens=prepared.max_tokens, ignore_eos=bool(req.ignore_eos))
         if isinstance(req, ChatRequest) and req.tool_choice == "none" and req.tools and self.tool_call_id is not None:
             # the tools stay in the prompt (its cache), the call stays out of the output (api.md §6.9)
@@ -523,9 +536,12 @@ class Service:
 
         reasoning, content, calls, finish = [], [], {}, None
         logprobs = [] if prepared.request.sampling.logprobs is not None else None
+        prompt_logprobs = None
         async with aclosing(self.generate(prepared)) as deltas:
             async for d in deltas:
-                if isinstance(d, TokenLogprobs):
+                if isinstance(d, PromptLogprobs):
+                    prompt_logprobs = d.entries
+                elif isinstance(d, TokenLogprobs):
                     if logprobs is not None:
                         logprobs += d.entries
                 elif isinstance(d, ReasoningDelta):
@@ -539,7 +555,7 @@ class Service:
                 elif isinstance(d, Finish):
                     finish = d
         return Result("".join(reasoning) or None, "".join(content) or None,
-                      [calls[i] for i in sorted(calls)], finish, logprobs)
+                      [calls[i] for i in sorted(calls)], finish, logprobs, prompt_logprobs)
 
     # ---- accounting (called by server.generation and server.app) -------------------------------------
 

@@ -131,7 +131,6 @@ def test_bad_logprobs_requests_are_400_and_the_server_keeps_serving(real):
         ("chat", dict(messages=USER, top_logprobs=2), "top_logprobs"),
         ("chat", dict(messages=USER, logprobs=True, top_logprobs=21), "top_logprobs"),
         ("completions", dict(prompt="x", logprobs=9), "logprobs"),
-        ("completions", dict(prompt="x", logprobs=1, echo=True), "echo"),
     ]
     for route, body, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
@@ -143,6 +142,41 @@ def test_bad_logprobs_requests_are_400_and_the_server_keeps_serving(real):
     r = real.client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, logprobs=True, top_logprobs=1,
                                             extra_body={"ignore_eos": True})
     assert len(r.choices[0].logprobs.content) == 3
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(real):
+    """echo + logprobs (how scoring clients read a prompt's log-likelihood): the prompt's tokens first, the
+    first with null logprob and alternatives, each other's value the engine's prompt entry; then the
+    generated tokens; the stream carries the same lists, the prompt's in the echo chunk."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = real.tok.encode(prompt)
+    kw = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    r = real.client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n = len(ids) + 3
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 1e-9 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 2 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert [real.tok.token_bytes(i).decode("utf-8", errors="replace") for i in ids] == lp.tokens[:len(ids)]
+    assert r.choices[0].text.startswith(prompt)
+    assert lp.text_offset[0] == 0 and all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+    # the engine's own entries for the prompt, in the engine's order
+    from runtime import SamplingParams
+    e = real.engine.submit(ids, SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True,
+                                               prompt_logprobs=2)).result(timeout=60)
+    assert [x[0] for x in e.prompt_logprobs] == lp.token_logprobs[1:len(ids)]
+    got = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    text = ""
+    for c in real.client.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            text += ch.text
+            if ch.logprobs is not None:
+                for key in got:
+                    got[key] += getattr(ch.logprobs, key)
+    assert text == r.choices[0].text
+    assert got == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
 
 
 # --------------------------------------------------------------------------------------------------

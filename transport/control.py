@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 5     # 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 6     # 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -168,6 +168,9 @@ class StepPlan(Message):
     kv_tokens: np.ndarray | None = None   # [B] KV positions the sequence's pages hold (drafting bound)
     spec_stops: dict = field(default_factory=dict)      # seq_id -> stop token ids (new sequences):
                                                         # acceptance stops at the first stop token
+    # prompt_logprobs sequences in a prefill chunk that does not end the prompt: seq_id -> the prompt
+    # token after the chunk (its last column's logprob entry is that token's)
+    prompt_next: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -183,6 +186,9 @@ class StepResult(Message):
     # logprobs (rows whose sampler asked): one entry per token of `tokens`, None for rows that did not
     # ask, else [logprob, [[id, logprob], ...]] (ranks.sampler.token_logprobs)
     logprobs: list | None = None
+    # prompt_logprobs sequences whose prompt columns ran this step: seq_id -> one entry per prompt
+    # token they predict, in order (the entry of prompt position p comes from column p - 1)
+    prompt_logprobs: dict | None = None
 
 
 @dataclass
