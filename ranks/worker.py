@@ -593,6 +593,8 @@ class Worker:
         drafting = [i for i, b in enumerate(keep_b) if b in accepted]
         ends = [sum(cols[:i + 1]) - 1 for i in drafting]
         drafts = {keep_b[i]: [] for i in drafting}
+        if not drafting:            # prompt chunks only: the MTP pass kept their KV, nothing is drafted (and
+            return drafts           # the CUDA head refuses an empty batch)
         h = m[ends]
         pos = [starts[i] + cols[i] - 1 for i in drafting]        # position of the last MTP column
         toks = argmax_rows(self._draft_logits(h), rank=self.rank, tp=self.tp,

@@ -553,19 +553,26 @@ def test_speculation_on_the_cuda_backend_keeps_greedy_output(draft_tokens):
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(default_model_dir())
     prompt = tok.encode("def fibonacci(n):\n")
+    # a prompt of several prefill chunks, alone: its first chunks' rounds sample nothing and draft
+    # nothing (this crashed the CUDA head with an empty batch until the fourteenth session)
+    long_prompt = tok.encode("def f(x):\n" + "    x = x + 1\n" * 60 + "    return x\n")
+    assert len(long_prompt) > 2 * 64
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
-    outs, stats = [], None
+    outs, longs, stats = [], [], None
     for k in (0, draft_tokens):
-        opts = EngineOptions(max_concurrency=2, spec_draft_tokens=k)
+        opts = EngineOptions(max_concurrency=2, spec_draft_tokens=k, prefill_chunk=64)
         with Engine.start(default_model_dir(), tp=1, device="cuda", dtype="bfloat16", options=opts) as engine:
             evs = list(engine.submit(prompt, params))
             assert not evs[-1].error, evs[-1].error
             outs.append(sum((e.tokens for e in evs), []))
+            r = engine.submit(long_prompt, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)).result()
+            assert r.error is None, r.error
+            longs.append(r.tokens)
             assert engine.stats()["ranks"][0]["backend"] == "cuda"
             if k:
                 stats = evs[-1].spec
                 assert engine.stats()["ranks"][0]["spec_rounds"] == "gpu"
-    assert outs[1] == outs[0]
+    assert outs[1] == outs[0] and longs[1] == longs[0]
     assert stats["rounds"] > 0 and stats["accepted"] > 0
     print(f"K={draft_tokens}: {stats['tokens_per_round']:.2f} tokens per round on the CUDA backend")
 
