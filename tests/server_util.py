@@ -108,6 +108,30 @@ class FakeEngine:
 
 
 @contextlib.contextmanager
+def real_server(context: int, *service_args, **service_kwargs) -> Iterator[SimpleNamespace]:
+    """The tiny random checkpoint on a real engine (tp 1, the given context) behind the whole app:
+    (url, client: the `openai` SDK on it, tok, service, engine). Extra arguments go to Service after its
+    generation defaults (a template, mode_sampling=..., ...)."""
+    import openai
+
+    from runtime import Engine, EngineOptions
+    from runtime.tokenizer import Tokenizer, generation_defaults
+    from server.app import create_app
+    from server.service import Service
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    engine = Engine.start(d, options=EngineOptions(max_concurrency=4, max_context=context, prefill_chunk=128,
+                                                   max_step_tokens=256, threads_per_rank=1))
+    try:
+        service = Service(engine, tok, "tiny", context, generation_defaults(d), *service_args, **service_kwargs)
+        with running(create_app(service)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            yield SimpleNamespace(url=url, client=client, tok=tok, service=service, engine=engine)
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
 def running(app, *, graceful_s: int = 2) -> Iterator[str]:
     """Serve `app` (lifespan on) with uvicorn on a free loopback port in a thread; yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

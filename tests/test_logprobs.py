@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import threading
 
 import pytest
 import torch
@@ -23,57 +22,21 @@ from ranks.weights import write_checkpoint
 from runtime import Engine, EngineOptions, SamplingParams
 from runtime.config import spec_from_hf
 from tests.test_engine import HEADS, _seed
+from tests.test_sampler import on_ranks
+from tests.test_speculation import OPTS, TIMEOUT, _one_torch_thread  # noqa: F401 - the autouse fixture too
 from tests.util import random_weights, tiny_config
-
-TIMEOUT = 120
-OPTS = dict(max_concurrency=8, max_pending=64, prefill_chunk=64, max_step_tokens=256, max_context=1024,
-            threads_per_rank=1, startup_timeout_s=180)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------------------
 # 1. The merge over vocabulary shards
 
 
-class _ThreadGather:
-    """all_gather between threads standing in for ranks: [tp, *shape] float32, like the mailbox's."""
-
-    def __init__(self, tp: int):
-        self.tp, self.parts, self.barrier = tp, [None] * tp, threading.Barrier(tp)
-
-    def for_rank(self, r: int):
-        def gather(t):
-            self.parts[r] = t.detach().float().clone()
-            self.barrier.wait()
-            out = torch.stack(self.parts)
-            self.barrier.wait()
-            return out
-        return gather
-
-
 def _sharded(logits: torch.Tensor, tokens: list[int], tops: list[int], tp: int) -> list[list]:
+    """token_logprobs on `tp` simulated ranks (threads, tests/test_sampler.py on_ranks), each with its
+    vocabulary shard: rank 0's result, after checking that every rank merged the same."""
     n = logits.shape[1] // tp
-    g, results, errors = _ThreadGather(tp), [None] * tp, []
-
-    def run(r):
-        try:
-            results[r] = token_logprobs(logits[:, r * n:(r + 1) * n], tokens, tops, rank=r, tp=tp, gather=g.for_rank(r))
-        except Exception as e:                                      # noqa: BLE001 - reported below
-            errors.append(e)
-            g.barrier.abort()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    results = on_ranks(tp, lambda r, gather: token_logprobs(logits[:, r * n:(r + 1) * n], tokens, tops, rank=r,
+                                                            tp=tp, gather=gather))
     for r in range(1, tp):
         assert results[r] == results[0], f"rank {r} merged differently from rank 0"
     return results[0]

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import math
 import time
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
-from runtime import Engine, EngineOptions
-from runtime.tokenizer import Tokenizer, generation_defaults
-from server.app import create_app
-from server.service import Service
-from tests.server_util import running, tiny_model_dir
+from tests.server_util import real_server
 
 CONTEXT = 512
 USER = [{"role": "user", "content": "Name three colours."}]
@@ -30,17 +25,8 @@ USER = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def real():
-    d = tiny_model_dir()
-    tok = Tokenizer.from_dir(d)
-    engine = Engine.start(d, options=EngineOptions(max_concurrency=4, max_context=CONTEXT, prefill_chunk=128,
-                                                   max_step_tokens=256, threads_per_rank=1))
-    try:
-        service = Service(engine, tok, "tiny", CONTEXT, generation_defaults(d))
-        with running(create_app(service)) as url:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            yield SimpleNamespace(url=url, client=client, tok=tok, engine=engine)
-    finally:
-        engine.shutdown()
+    with real_server(CONTEXT) as srv:
+        yield srv
 
 
 def _check_entry(e, k: int) -> None:

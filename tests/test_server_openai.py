@@ -17,12 +17,12 @@ import httpx
 import openai
 import pytest
 
-from runtime import Engine, EngineOptions, SamplingParams
+from runtime import SamplingParams
 from runtime.tokenizer import Tokenizer, generation_defaults
 from server.app import create_app
 from server.metrics import Metrics
 from server.service import Service
-from tests.server_util import FakeEngine, qwen_template, running, tiny_model_dir
+from tests.server_util import FakeEngine, qwen_template, real_server, running, tiny_model_dir
 
 CONTEXT = 512          # the real engine's
 FAKE_CONTEXT = 4096    # the scripted engine's (the Qwen template's tool instructions are long in a tiny vocabulary)
@@ -43,16 +43,8 @@ def _client(url: str) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def real():
-    d = tiny_model_dir()
-    tok = Tokenizer.from_dir(d)
-    engine = Engine.start(d, options=EngineOptions(max_concurrency=4, max_context=CONTEXT, prefill_chunk=128,
-                                                   max_step_tokens=256, threads_per_rank=1))
-    try:
-        service = Service(engine, tok, "tiny", CONTEXT, generation_defaults(d))
-        with running(create_app(service)) as url:
-            yield SimpleNamespace(url=url, client=_client(url), tok=tok, service=service, engine=engine)
-    finally:
-        engine.shutdown()
+    with real_server(CONTEXT) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

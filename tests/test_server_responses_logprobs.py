@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 
-from runtime import Engine, EngineOptions
 from runtime.engine import Event, RequestStream
 from runtime.tokenizer import Tokenizer, generation_defaults
 from server.app import create_app
@@ -25,7 +24,7 @@ from server.reasoning_seal import ReasoningSeal
 from server.responses_output import ResponseBuilder, ToolSet
 from server.service import EFFORT_BUDGETS, ContentDelta, Finish, ReasoningDelta, Service, TokenLogprobs
 from tests.scripted_service import sse_events
-from tests.server_util import FakeEngine, qwen_template, running, tiny_model_dir
+from tests.server_util import FakeEngine, qwen_template, real_server, running, tiny_model_dir
 from tests.test_server_responses import WEATHER, check_stream
 
 CONTEXT = 512
@@ -77,19 +76,11 @@ def check_logprob_events(events: list[tuple[str, dict]]) -> dict:
 
 @pytest.fixture(scope="module")
 def real():
-    d = tiny_model_dir()
-    tok = Tokenizer.from_dir(d)
-    engine = Engine.start(d, options=EngineOptions(max_concurrency=4, max_context=CONTEXT, prefill_chunk=128,
-                                                   max_step_tokens=256, threads_per_rank=1))
-    try:
-        # no per-mode presets (their presence_penalty 1.5 in content would make temperature 0 pick a token
-        # other than the raw distribution's best one after a repeat)
-        service = Service(engine, tok, "tiny", CONTEXT, generation_defaults(d), qwen_template(),
-                          mode_sampling={}, effort_budgets={**EFFORT_BUDGETS, "low": BUDGET})
-        with running(create_app(service)) as url:
-            yield SimpleNamespace(url=url, client=_client(url), tok=tok)
-    finally:
-        engine.shutdown()
+    # no per-mode presets (their presence_penalty 1.5 in content would make temperature 0 pick a token
+    # other than the raw distribution's best one after a repeat)
+    with real_server(CONTEXT, qwen_template(), mode_sampling={},
+                     effort_budgets={**EFFORT_BUDGETS, "low": BUDGET}) as srv:
+        yield srv
 
 
 # Greedy, thinking off: the seed-0 random model's 16 tokens are all message text (among them a literal
