@@ -313,3 +313,28 @@ def test_logprobs_bounds_are_checked():
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     assert SamplingParams(logprobs=20).logprobs == 20 and SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_tokens_a_thinking_budget_inserts_have_no_entry(dense, hf):
+    """The close-of-thinking tokens a budget inserts were not sampled: their entries are None, the
+    sampled tokens around them keep theirs (against transformers on the whole sequence)."""
+    d, spec = dense
+    rng = random.Random(_seed("logprobs-budget"))
+    prompt = [rng.randrange(spec.vocab_size) for _ in range(6)]
+    close = (7, 8, 9)
+    # the end id is never sampled (logit_bias -100; logprobs stay those of the raw distribution), so the
+    # budget always inserts the close tokens
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, logprobs=1, thinking_budget=2,
+                        thinking_end_ids=(close[0],), thinking_close_ids=close, logit_bias={close[0]: -100.0})
+    with Engine.start(d, tp=1, options=EngineOptions(**OPTS)) as eng:
+        r = eng.submit(prompt, sp).result(timeout=TIMEOUT)
+    assert r.error is None and len(r.logprobs) == len(r.tokens) == 10
+    at = next(i for i in range(len(r.tokens) - 2) if tuple(r.tokens[i:i + 3]) == close)
+    assert r.logprobs[at:at + 3] == [None, None, None]
+    assert all(e is not None for i, e in enumerate(r.logprobs) if not at <= i < at + 3)
+    sampled = [i for i in range(len(r.tokens)) if not at <= i < at + 3]
+    ids = torch.tensor([prompt + r.tokens[:-1]])
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(input_ids=ids).logits[0, len(prompt) - 1:].double(), dim=-1)
+    for i in sampled:
+        assert abs(r.logprobs[i][0] - float(lp[i, r.tokens[i]])) < LOGPROB_TOL
