@@ -28,6 +28,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from runtime.sampling import MAX_TOP_LOGPROBS
+
 Tensor = torch.Tensor
 Gather = Callable[[Tensor], Tensor]          # [*shape] -> [N, *shape] (row r = rank r's tensor)
 
@@ -454,9 +456,6 @@ def accept_sampled(logp: Tensor, drafts: list[int], seed: int, positions: list[i
 
 # --------------------------------------------------------------------------------------------------
 # Log-probabilities of the chosen tokens (the APIs' logprobs / top_logprobs)
-
-MAX_TOP_LOGPROBS = 20
-
 
 def token_logprobs(logits: Tensor, tokens: list[int], tops: list[int], *, rank: int, tp: int,
                    gather: Gather) -> list[list]:

@@ -61,13 +61,10 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.banned_token_ids),
                "banned_token_ids", self.banned_token_ids, "token ids (integers >= 0)")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                and not isinstance(self.prompt_logprobs, bool)
-                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-               "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_LOGPROBS),
+                   name, k, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
                "thinking_budget", self.thinking_budget, "an integer >= 0")
         _check(self.thinking_budget is None or bool(self.thinking_close_ids), "thinking_close_ids",

@@ -158,7 +158,8 @@ async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, 
     prepared = preps[0]
     base = {"id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model}
     pending: list[list] = [[] for _ in preps]     # per choice: logprob entries that ride on its next chunk
-    offsets = [len(echo)] * len(preps)
+    held = prepared.request.sampling.prompt_logprobs is not None    # echo + logprobs: echo with the prompt's
+    offsets = [0 if held else len(echo)] * len(preps)              # text_offset: from the prompt's tokens, or after it
     usages: list = [None] * len(preps)
 
     def chunk(i: int, text: str, finish: str | None = None) -> bytes:
@@ -169,12 +170,9 @@ async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, 
         return sse.event({**base, "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": finish}],
                           "usage": None})
 
-    held = prepared.request.sampling.prompt_logprobs is not None    # echo + logprobs: echo with the prompt's
     if echo and not held:
         for i in range(len(preps)):
             yield chunk(i, echo)
-    if held:
-        offsets = [0] * len(preps)
     try:
         async for i, d in choices.merged(service, preps):
             if isinstance(d, PromptLogprobs):                          # the echo chunk, now with its logprobs

@@ -70,18 +70,21 @@ def logprob_entry(tokenizer, token: int, entry: list) -> dict:
     """An engine logprob entry [logprob, [[id, logprob], ...]] -> the OpenAI chat shape {token, logprob,
     bytes, top_logprobs: [{token, logprob, bytes}]}; token is the token's bytes as UTF-8 (a piece of a
     multi-byte character shows as U+FFFD; bytes has the exact ones)."""
-    def one(i: int, lp: float) -> dict:
-        b = tokenizer.token_bytes(i)
-        return {"token": b.decode("utf-8", errors="replace"), "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(b)}
     lp, alts = entry
-    return {**one(token, lp), "top_logprobs": [one(int(i), v) for i, v in alts]}
+    return {**_token_fields(tokenizer, token, lp),
+            "top_logprobs": [_token_fields(tokenizer, int(i), v) for i, v in alts]}
+
+
+def _token_fields(tokenizer, token: int, lp: float | None) -> dict:
+    b = tokenizer.token_bytes(token)
+    return {"token": b.decode("utf-8", errors="replace"), "logprob": None if lp is None else max(lp, LOGPROB_FLOOR),
+            "bytes": list(b)}
 
 
 def prompt_entries(tokenizer, prompt_ids: list[int], entries: list | None) -> list[dict]:
     """The prompt's logprob entries: the first token's with logprob / top_logprobs None, then the
     engine's (Event.prompt_logprobs: one per prompt token after the first) in logprob_entry's shape."""
-    b = tokenizer.token_bytes(prompt_ids[0])
-    first = {"token": b.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(b), "top_logprobs": None}
+    first = {**_token_fields(tokenizer, prompt_ids[0], None), "top_logprobs": None}
     return [first] + [logprob_entry(tokenizer, t, e) for t, e in zip(prompt_ids[1:], entries or [])]
 
 

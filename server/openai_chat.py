@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from runtime.sampling import MAX_TOP_LOGPROBS
 from server import choices
 from server import params as P
 from server import sse
@@ -79,7 +80,7 @@ def chat_logprobs(f: P.Fields) -> int | None:
     """logprobs (boolean) and top_logprobs (0..20) -> alternatives per token, None when off. As OpenAI,
     top_logprobs > 0 without logprobs: true is an error."""
     on = f.boolean("logprobs")
-    top = f.integer("top_logprobs", lo=0, hi=20)
+    top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top and not on:
         raise P.bad("invalid value for 'top_logprobs': it needs 'logprobs' set to true", "top_logprobs")
     return (top or 0) if on else None

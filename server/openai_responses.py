@@ -47,13 +47,13 @@ from server.prompt import tool_arguments
 from server.reasoning_seal import ReasoningSeal
 from server.responses_output import CUSTOM_INPUT, ResponseBuilder, ToolSet, item_id
 from server.service import EFFORTS, APIError, ChatRequest, Finish, Prepared, Sampling, Service
+from runtime.sampling import MAX_TOP_LOGPROBS
 from server.sse import event, sse_response
 
 log = logging.getLogger(__name__)
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
-MAX_TOP_LOGPROBS = 20
 
 @contextlib.contextmanager
 def _input_errors():

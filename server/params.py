@@ -17,6 +17,7 @@ import math
 import re
 from typing import Any
 
+from runtime.sampling import MAX_LOGIT_BIAS
 from server.service import APIError
 
 _TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", dict: "an object",
@@ -162,7 +163,7 @@ class Fields:
             raise self._type_error(key, "an object", v)
         return v
 
-    def logit_bias(self, key: str = "logit_bias", limit: int = 300) -> tuple[tuple[int, float], ...] | None:
+    def logit_bias(self, key: str = "logit_bias", limit: int = MAX_LOGIT_BIAS) -> tuple[tuple[int, float], ...] | None:
         """OpenAI logit_bias: an object {"token id": bias in [-100, 100]} (keys: decimal digit strings, at
         most `limit` of them) -> sorted (id, bias) pairs; None when absent, null or empty. Whether the
         ids are in the vocabulary is the engine's check (a 400 naming the field too)."""

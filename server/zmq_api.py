@@ -38,6 +38,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from runtime.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from server import params
 from server.service import (APIError, ChatRequest, ContentDelta, Finish, ReasoningDelta, RequestContext, Sampling,
                             TextRequest, TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart, current_request)
@@ -49,8 +50,6 @@ SEND_HWM = 100_000                    # queued replies per client before it coun
 MAX_MESSAGE_BYTES = 64 * 2**20        # a larger request body is answered with 413
 REQUEST_TYPES = ("chat", "tokens", "cancel", "count_tokens", "models", "health")
 CLIENT_LABEL = re.compile(r"[A-Za-z0-9._:/@+\-]{1,64}")     # the rule of HTTP's X-Tandem-Client (server.app)
-MAX_LOGIT_BIAS = 300                  # logit_bias entries (runtime.sampling.MAX_LOGIT_BIAS, OpenAI's limit)
-MAX_TOP_LOGPROBS = 20                 # logprobs alternatives per token (runtime.sampling.MAX_TOP_LOGPROBS)
 _DECIMAL_ID = re.compile(r"[0-9]{1,10}")
 
 # name -> accepted Python types (bool is rejected separately: it is an int to Python)

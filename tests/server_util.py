@@ -85,12 +85,17 @@ class FakeEngine:
         stream = RequestStream(next(self._ids))
         self.submitted.append(SimpleNamespace(id=stream.id, prompt_ids=list(prompt_ids), params=params,
                                               stop_token_ids=stop_token_ids, output_ids=ids))
-        for t in ids[:-1]:
-            stream._push(Event(stream.id, [t]))
+        for n, t in enumerate(ids[:-1]):
+            stream._push(Event(stream.id, [t], logprobs=self.logprobs_of(n, t, params)))
         stream._push(Event(stream.id, [ids[-1]], finish_reason=finish,
                            usage=dict(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)),
-                           timings=dict(ttft_s=0.001, total_s=0.002)))
+                           timings=dict(ttft_s=0.001, total_s=0.002),
+                           logprobs=self.logprobs_of(len(ids) - 1, ids[-1], params)))
         return stream
+
+    def logprobs_of(self, n: int, token: int, params) -> list | None:
+        """Event.logprobs of output token n (`token`): none here; scripted engines with logprobs override it."""
+        return None
 
     def prompt_text(self, i: int = -1) -> str:
         return self.tokenizer.decode(self.submitted[i].prompt_ids)

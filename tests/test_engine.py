@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import os
 import random
@@ -34,12 +33,11 @@ import torch
 from kernels import reference as ops
 from ranks.model import Batch, HybridModel
 from ranks.sampler import SeqSampler, apply_penalties, filtered_log_probs, gumbel_noise, sample_rows
-from ranks.weights import write_checkpoint
 from runtime import Engine, EngineError, EngineOptions, SamplingParams
 from runtime.config import PAGE_SIZE, spec_from_hf
 from runtime.scheduler import Overloaded
 from tests.conftest import BASE_SEED
-from tests.util import random_weights, tiny_config
+from tests.util import tiny_config, write_tiny_checkpoint
 
 MARGIN = 1e-2           # top-two logit gap the reference path must keep (see module doc)
 TIMEOUT = 120           # seconds any single wait may take before the test calls it a hang
@@ -158,12 +156,8 @@ class Model:
 
 def _build(tmp_path_factory, kind: str) -> Model:
     cfg = tiny_config(kind == "moe", **HEADS)
-    spec = spec_from_hf(cfg)
-    w = random_weights(spec, _seed("engine-" + kind))
     d = str(tmp_path_factory.mktemp(kind))
-    write_checkpoint(d, w, prefix="model.")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    spec, w = write_tiny_checkpoint(d, cfg, _seed("engine-" + kind))
     return Model(kind, d, cfg, Reference(spec, w))
 
 

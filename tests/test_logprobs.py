@@ -9,22 +9,18 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 
 import pytest
 import torch
 
 from ranks.sampler import token_logprobs
-from ranks.weights import write_checkpoint
 from runtime import Engine, EngineOptions, SamplingParams
-from runtime.config import spec_from_hf
 from tests.test_engine import HEADS, _seed
 from tests.test_sampler import on_ranks
 from tests.test_speculation import OPTS, TIMEOUT, _one_torch_thread  # noqa: F401 - the autouse fixture too
-from tests.util import random_weights, tiny_config
+from tests.util import tiny_config, write_tiny_checkpoint
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,13 +73,8 @@ def test_token_logprobs_ties_go_to_the_lower_id():
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    cfg = tiny_config(False, **HEADS)
-    spec = spec_from_hf(cfg)
-    w = random_weights(spec, _seed("engine-logprobs"))
     d = str(tmp_path_factory.mktemp("logprobs"))
-    write_checkpoint(d, w, prefix="model.")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    spec, _ = write_tiny_checkpoint(d, tiny_config(False, **HEADS), _seed("engine-logprobs"))
     return d, spec
 
 

@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 
-from runtime.engine import Event, RequestStream
 from runtime.tokenizer import Tokenizer, generation_defaults
 from server.app import create_app
 from server.reasoning_seal import ReasoningSeal
@@ -177,23 +176,10 @@ class LogprobEngine(FakeEngine):
     """FakeEngine whose events carry logprob entries when the request asks: token t gets logprob
     -(position + 1) / 8 and alternatives t, t+1, ... (k of them, the first being t with its value)."""
 
-    def submit(self, prompt_ids, params, stop_token_ids=None) -> RequestStream:
-        out = self.outputs.popleft() if self.outputs else self.default
-        ids = self.tokenizer.encode(out) + [self.eos]
-        finish = "stop"
-        if len(ids) > params.max_new_tokens:
-            ids, finish = ids[:params.max_new_tokens], "length"
-        stream = RequestStream(next(self._ids))
-        self.submitted.append(SimpleNamespace(id=stream.id, prompt_ids=list(prompt_ids), params=params,
-                                              stop_token_ids=stop_token_ids, output_ids=ids))
+    def logprobs_of(self, n: int, token: int, params) -> list | None:
         k = params.logprobs
-        for n, t in enumerate(ids):
-            lp = -(n + 1) / 8
-            entry = None if k is None else [[lp, [[t + j, lp - j] for j in range(k)]]]
-            last = n == len(ids) - 1
-            stream._push(Event(stream.id, [t], logprobs=entry, finish_reason=finish if last else None,
-                               usage=dict(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)) if last else None))
-        return stream
+        lp = -(n + 1) / 8
+        return None if k is None else [[lp, [[token + j, lp - j] for j in range(k)]]]
 
 
 @pytest.fixture(scope="module")

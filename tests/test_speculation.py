@@ -28,7 +28,7 @@ from ranks.weights import write_checkpoint
 from runtime import Engine, EngineOptions, SamplingParams
 from runtime.config import spec_from_hf
 from tests.test_engine import HEADS, MARGIN, Reference, _NearTie, _seed
-from tests.util import random_weights, tiny_config
+from tests.util import random_weights, tiny_config, write_tiny_checkpoint
 
 TIMEOUT = 120
 OPTS = dict(max_concurrency=8, max_pending=64, prefill_chunk=64, max_step_tokens=256, max_context=1024,
@@ -192,13 +192,8 @@ def test_forward_in_parts_equals_the_one_step_forward_float64(mode):
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    cfg = tiny_config(False, **HEADS)
-    spec = spec_from_hf(cfg)
-    w = random_weights(spec, _seed("engine-dense"))
     d = str(tmp_path_factory.mktemp("spec-dense"))
-    write_checkpoint(d, w, prefix="model.")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    spec, w = write_tiny_checkpoint(d, tiny_config(False, **HEADS), _seed("engine-dense"))
     return d, Reference(spec, w)
 
 

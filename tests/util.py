@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from ranks.weights import expected_shapes
@@ -66,3 +69,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error ||a - b|| / ||b|| in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def write_tiny_checkpoint(d: str, cfg: dict, seed: int) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """Random float32 weights of the config `cfg` (random_weights) written to directory d as a checkpoint
+    (safetensors + config.json) the Engine loads; returns (spec, weights)."""
+    from ranks.weights import write_checkpoint
+    spec = spec_from_hf(cfg)
+    w = random_weights(spec, seed)
+    write_checkpoint(d, w, prefix="model.")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return spec, w
