@@ -26,8 +26,12 @@ pipelined kernels' layer rule stopped at 4 columns (the default until the twelft
 C = 8 7.7% slower than auto, nvfp4 the same, docs/perf.md).
 scripts/bench/linear.py --variants times tc against pipelined.
 
-Launches of 9..32 columns run gemv_*_tc16 / tc32, or gemv_*_xs16 / xs32 (the same arithmetic with x
-staged per block in shared memory) per TANDEM_GEMV_STAGED (STAGED_ENV below; default: nvfp4 at 17..32).
+Quantised launches of 9..64 columns run the dequantising GEMM gemm_*_n16 / n32 / n64 (MM_ENV below; the
+default): blocks of 128 or 256 rows times every column, x staged once per block in the A fragments'
+order, I split over the grid's y axis with an fp32 workspace and a last-block reduction. With
+TANDEM_GEMV_MM=0 they run the GEMV kernels instead: gemv_*_tc16 / tc32, or gemv_*_xs16 / xs32 (the
+same arithmetic with x staged per block in shared memory) per TANDEM_GEMV_STAGED (STAGED_ENV below;
+default: nvfp4 at 17..32), 33..64 columns in two launches.
 
 The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
 GEMV's blocks start streaming their first weights under the previous kernel's tail.
@@ -103,6 +107,22 @@ PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_
 # step 19.9 against 17.2 ms) and at 32 (31.4 against 30.5 ms).
 STAGED_ENV = "TANDEM_GEMV_STAGED"
 XS_KT = 256
+# The dequantising GEMM for quantised launches of 9..64 columns (gemm_{fp8row,fp8blk,nvfp4}_n16 / n32 / n64,
+# gemv.cu). TANDEM_GEMV_MM (read at every launch plan): "1" (the default) or "0" (the GEMV kernels above).
+# Per kernel (kind, column tiles): (row tiles of 16 per warp, steps per iteration, blocks per SM), as
+# gemv.cu's GEMM_Q_KERNEL lines. A block owns 8 warps x MT tiles of rows; the grid's y axis splits I into
+# S slices (_mm_splits), whose fp32 partials meet in a per-device workspace (MM_WS_FLOATS floats, counters
+# for MM_COUNTERS row tiles) kept for the life of the process (CUDA graphs hold its address).
+MM_ENV = "TANDEM_GEMV_MM"
+MM_SPLITS_ENV = "TANDEM_GEMM_SPLITS"   # benchmarks: every GEMM launch's slice count (1..32, capped as usual)
+MM_MAX_COLUMNS = 64
+_MM = {("fp8_row", 2): (2, 2, 2), ("fp8_block", 2): (2, 2, 2), ("nvfp4", 2): (2, 2, 2),
+       ("fp8_row", 4): (2, 2, 2), ("fp8_block", 4): (1, 2, 2), ("nvfp4", 4): (2, 1, 2),
+       ("fp8_row", 8): (1, 1, 2), ("fp8_block", 8): (1, 1, 1), ("nvfp4", 8): (1, 1, 1)}
+MM_WS_FLOATS = 1 << 22                 # 16 MiB of fp32 partials per device
+MM_COUNTERS = 1 << 13
+MM_MIN_ITERATIONS = 4                  # a slice covers at least this many iterations of P steps
+_mm_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def gemv_variant() -> str:
@@ -128,6 +148,20 @@ def staged_x() -> str:
     if v not in ("auto", "all", "0"):
         raise L.KernelError(f"{STAGED_ENV}={v!r}: expected auto, all or 0")
     return v
+
+
+def mm_on() -> bool:
+    """Whether quantised launches of 9..64 columns take the dequantising GEMM ($TANDEM_GEMV_MM, default 1)."""
+    v = os.environ.get(MM_ENV) or "1"
+    if v not in ("0", "1"):
+        raise L.KernelError(f"{MM_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
+def mm_applies(kind: str, I: int, T: int) -> bool:
+    """The GEMM takes fp8 and nvfp4 (I % 32 == 0) launches of 9..64 columns when mm_on()."""
+    return (kind in _TC_KINDS and not (kind == "nvfp4" and I % 32) and PIPE_MAX_COLUMNS < T <= MM_MAX_COLUMNS
+            and mm_on())
 
 
 def pipe_applies(kind: str, I: int, T: int) -> bool:
@@ -185,6 +219,8 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
+    if mm_applies(kind, I, T):
+        return _route_mm(O, I, T, kind, sm_count, swiglu)
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
     if variant == "bf16pipe" and kind == "bf16" and T > GEMV_COLUMNS["bf16"] and pipe_applies(kind, I, T):
@@ -234,6 +270,8 @@ def _pick_ks(units: int, ks_cap: int, sm_count: int, blocks_per_sm: int = 4) -> 
 
 def launch_columns(kind: str, I: int) -> int:
     """The most columns one GEMV launch takes for this weight kind and in_features."""
+    if mm_applies(kind, I, MM_MAX_COLUMNS):
+        return MM_MAX_COLUMNS
     if kind in _TC_KINDS and not (kind == "nvfp4" and I % 32) and TC_MAX_COLUMNS >= 8:
         return TC_MAX_COLUMNS
     return MAX_GEMV_COLUMNS
@@ -279,6 +317,52 @@ def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) 
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{_KIND_TAG[kind]}_pipe", "nt": 8, "ks": ks,
             "units": tiles, "rows_per_warp": 16, "block": (32 * WARPS,), "grid": (blocks,), "T": T,
             "variant": "pipelined"}
+
+
+def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
+    """The dequantising GEMM (gemm_*_n16 / n32 / n64, gemv.cu): 8 warps of MT 16-row tiles (SwiGLU: 8 gate
+    rows and their 8 up rows per tile) per block on the grid's x axis, S slices of I on its y axis."""
+    nb = 2 if T <= 16 else 4 if T <= 32 else 8
+    mt, p, per_sm = _MM[(kind, nb)]
+    tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
+    bm = -(-tiles // (WARPS * mt))
+    steps = -(-(I // _EPC[kind]) // 4)
+    S = _mm_splits(bm, -(-steps // p), per_sm * sm_count, mt * nb * 4 * 32 * WARPS)
+    return {"path": "gemv", "kind": kind, "kernel": f"gemm_{_KIND_TAG[kind]}_n{8 * nb}", "nt": 8 * nb, "ks": S,
+            "units": tiles, "rows_per_warp": 16 * mt, "block": (32 * WARPS,), "grid": (bm, S), "T": T,
+            "mm": True}
+
+
+def _mm_splits(bm: int, iterations: int, slots: int, floats_per_block: int) -> int:
+    """Slices of I for a GEMM of bm row blocks: the S in 1..16 with the least modelled time, waves of
+    `slots` resident blocks times a slice's share of the work, plus 2% of a pass per slice for the
+    workspace; each slice keeps >= MM_MIN_ITERATIONS iterations, and the partials fit the workspace."""
+    cap = max(1, min(16, iterations // MM_MIN_ITERATIONS, MM_WS_FLOATS // max(1, bm * floats_per_block)))
+    if bm > MM_COUNTERS:
+        cap = 1
+    forced = L.env_int(MM_SPLITS_ENV, 1, 32)
+    if FORCE_KS is not None or forced is not None:
+        return max(1, min(cap, forced if forced is not None else FORCE_KS))
+    best, best_cost = 1, None
+    for S in range(1, cap + 1):
+        cost = -(-(bm * S) // slots) / S + (0.02 * S if S > 1 else 0.0)
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = S, cost
+    return best
+
+
+def mm_buffers(device: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GEMM's workspace (fp32 partials) and per-row-tile counters on `device`, made on first use;
+    None while a CUDA graph is being captured and they do not exist yet (the launch then runs one slice)."""
+    bufs = _mm_buffers.get(device)
+    if bufs is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        with torch.cuda.device(device):
+            bufs = (torch.empty(MM_WS_FLOATS, dtype=torch.float32, device=f"cuda:{device}"),
+                    torch.zeros(MM_COUNTERS, dtype=torch.int32, device=f"cuda:{device}"))
+        _mm_buffers[device] = bufs
+    return bufs
 
 
 def bytes_read(O: int, I: int, T: int, kind: str) -> int:
@@ -374,9 +458,15 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
         whole = a == 0 and b == T                     # one launch: no views to make (host time, eager steps)
         ys = (extra if whole else [e[a:b] for e in extra]) + [None] * (3 - len(extra))
         res = residual if residual is None or whole else residual[a:b]
-        L.launch(L.kernel("gemv", r["kernel"], d), r["grid"], r["block"],
-                 (out if whole else out[a:b], x if whole else x[a:b], data, scale, gscale, res,
-                  O, I, b - a, r["ks"], mode, Fh, sb, *ys, *bounds),
+        args = [out if whole else out[a:b], x if whole else x[a:b], data, scale, gscale, res,
+                O, I, b - a, r["ks"], mode, Fh, sb, *ys, *bounds]
+        grid = r["grid"]
+        if r.get("mm"):
+            bufs = mm_buffers(d) if grid[1] > 1 else None
+            if bufs is None:
+                grid = (grid[0], 1)
+            args += list(bufs) if bufs is not None else [None, None]
+        L.launch(L.kernel("gemv", r["kernel"], d), grid, r["block"], tuple(args),
                  device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)
     return out
 

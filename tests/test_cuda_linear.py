@@ -543,3 +543,112 @@ def test_staged_route_is_taken_and_matches_the_reference(kind, seed, monkeypatch
         assert cl.route(34816, 5120, T, kind, sms)["kernel"].startswith(f"gemv_{_TAG[kind]}_xs")
         _run_linear(kind, 34816, 5120, T, seed + T)
     _run_linear(kind, 300, 4160, 20, seed, residual=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The dequantising GEMM (gemm_*_n16 / n32 / n64: quantised launches of 9..64 columns, the default route
+# there): test_model_shapes / test_odd_shapes / test_residual / test_swiglu / test_linear_split run it at
+# its default slice counts; here every slice count, the slices' determinism, graph replays (the per-tile
+# counters reset themselves) and the GEMV kernels it replaces.
+
+GEMM_SHAPES = [(5120, 17408), (34816, 5120), (5120, 6144), (10240, 5120), (2048, 512), (300, 4160), (77, 1056)]
+
+
+def _modes(O):
+    return (0, 1, 2) if O % 2 == 0 else (0, 1)
+
+
+def _gemm_vs_reference(kind, w, wf, O, I, T, seed, mode):
+    """One GEMM launch (the route must pick it) against the fp32 reference; returns the output."""
+    from kernels import cuda_linear as cl
+    from kernels.cuda_linear import linear, linear_swiglu
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cl.route(O, I, T, kind, sms, swiglu=mode == 2)["kernel"].startswith("gemm_"), (kind, O, I, T)
+    x = _x(T, I, seed)
+    if mode == 2:
+        out = torch.full((T, O // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = linear_swiglu(x, w, out=out)
+        _check(got, _swiglu_want(x, wf))
+        return got
+    out = torch.full((T, O), float("nan"), dtype=torch.bfloat16, device="cuda")
+    if mode == 1:
+        res = torch.randn(T, O, device="cuda", generator=_gen(seed + 3)).to(torch.bfloat16)
+        want = res.float() + ref.linear(x.float(), wf)
+        got = linear(x, w, out=out, residual=res)
+        _check(got, want, scale=float(res.float().norm() + ref.linear(x.float(), wf).norm()))
+        return got
+    got = linear(x, w, out=out)
+    _check(got, ref.linear(x.float(), wf))
+    return got
+
+
+@pytest.mark.parametrize("kind", PIPE_KINDS)
+@pytest.mark.parametrize("O,I", GEMM_SHAPES)
+def test_gemm_every_slice_count(kind, O, I, seed, monkeypatch):
+    """1, 2, 3 and 7 slices of I (capped by the row length) and the route's own choice, each column tile
+    width, every epilogue: each against the reference, and each slice count's output the same bits on a
+    second run (the last block sums the slices in slice order, whichever arrives last)."""
+    from kernels import cuda_linear as cl
+    w, wf = _weight(kind, O, I, seed)
+    for T in (9, 24, 40, 64):
+        for S in (None, 1, 2, 3, 7):
+            if S is None:
+                monkeypatch.delenv(cl.MM_SPLITS_ENV, raising=False)
+            else:
+                monkeypatch.setenv(cl.MM_SPLITS_ENV, str(S))
+            for mode in _modes(O):
+                a = _gemm_vs_reference(kind, w, wf, O, I, T, seed + T, mode)
+                b = _gemm_vs_reference(kind, w, wf, O, I, T, seed + T, mode)
+                assert torch.equal(a, b), (T, S, mode)
+
+
+@pytest.mark.parametrize("kind", PIPE_KINDS)
+def test_gemm_agrees_with_the_gemv_kernels(kind, seed, monkeypatch):
+    """The GEMM and the GEMV kernels it replaces (TANDEM_GEMV_MM=0) compute the same products in another
+    order: their outputs agree to rounding, far inside the reference bound."""
+    from kernels import cuda_linear as cl
+    from kernels.cuda_linear import linear
+    for O, I, T in ((5120, 17408, 32), (34816, 5120, 17), (300, 4160, 64)):
+        w, _ = _weight(kind, O, I, seed + T)
+        x = _x(T, I, seed + T)
+        monkeypatch.setenv(cl.MM_ENV, "1")
+        a = linear(x, w)
+        monkeypatch.setenv(cl.MM_ENV, "0")
+        b = linear(x, w)
+        assert rel(a, b) <= 4e-3, (O, I, T, rel(a, b))
+
+
+def test_gemm_graph_replays(seed, monkeypatch):
+    """Two sliced GEMMs in one captured graph, replayed 200 times over fresh inputs: every replay equals
+    the eager launch bit for bit (the counters are reset by each row tile's last block, not the host)."""
+    from kernels import cuda_linear as cl
+    from kernels.cuda_linear import linear, linear_swiglu
+    monkeypatch.setenv(cl.MM_SPLITS_ENV, "5")
+    w, _ = _weight("nvfp4", 5120, 17408, seed)
+    wg, _ = _weight("fp8_block", 2048, 5120, seed + 1)
+    x = _x(24, 17408, seed)
+    x2 = _x(24, 5120, seed + 2)
+    out = torch.empty(24, 5120, dtype=torch.bfloat16, device="cuda")
+    out2 = torch.empty(24, 1024, dtype=torch.bfloat16, device="cuda")
+    linear(x, w, out=out)                                  # compile, workspace, warm up outside the capture
+    linear_swiglu(x2, wg, out=out2)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            linear(x, w, out=out)
+            linear_swiglu(x2, wg, out=out2)
+    torch.cuda.current_stream().wait_stream(s)
+    for i in range(200):
+        if i % 20 == 0:
+            x.copy_(_x(24, 17408, seed + 10 + i))
+            x2.copy_(_x(24, 5120, seed + 11 + i))
+            want, want2 = linear(x, w), linear_swiglu(x2, wg)
+        out.fill_(float("nan"))
+        out2.fill_(float("nan"))
+        g.replay()
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+            assert torch.equal(out, want) and torch.equal(out2, want2), i

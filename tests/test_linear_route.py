@@ -11,11 +11,13 @@ SM = 132
 
 @pytest.fixture(autouse=True)
 def no_variant_in_the_environment(monkeypatch):
-    """route() reads TANDEM_GEMV_VARIANT and TANDEM_GEMV_STAGED; these tests pin them to the tensor-core
-    route table ("tc") with the tc16 / tc32 kernels beyond 8 columns (0); the auto rule and the staging
-    kernels have their own tests."""
+    """route() reads TANDEM_GEMV_VARIANT, TANDEM_GEMV_STAGED and TANDEM_GEMV_MM; these tests pin them to
+    the tensor-core route table ("tc") with the tc16 / tc32 kernels beyond 8 columns (STAGED 0, MM 0);
+    the auto rule, the staging kernels and the GEMM have their own tests."""
     monkeypatch.setenv(cl.VARIANT_ENV, "tc")
     monkeypatch.setenv(cl.STAGED_ENV, "0")
+    monkeypatch.setenv(cl.MM_ENV, "0")
+    monkeypatch.delenv(cl.MM_SPLITS_ENV, raising=False)
 
 
 @pytest.mark.parametrize("staged", ["all", "0"])
@@ -101,7 +103,9 @@ def test_small_bf16_weight_stays_on_the_gemv_up_to_16_columns():
     assert cl._on_gemv("bf16", 5120, 3) is False          # no O given: the column rule alone
 
 
-def test_every_routed_kernel_exists_in_the_source():
+@pytest.mark.parametrize("mm", ["0", "1"])
+def test_every_routed_kernel_exists_in_the_source(mm, monkeypatch):
+    monkeypatch.setenv(cl.MM_ENV, mm)
     src = (cl.L.CUDA_DIR / "gemv.cu").read_text()
     for variant in cl.VARIANTS:
         for kind in ("bf16", "fp8_row", "fp8_block", "nvfp4"):
@@ -255,3 +259,69 @@ def test_pipelined_blocks_per_sm_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.PIPE_BLOCKS_ENV, "many")
     with pytest.raises(KernelError, match="TANDEM_GEMV_PIPE_BLOCKS"):
         cl.route(12288, 5120, 1, "nvfp4", SM, variant="pipelined")
+
+
+# ------------------------------------------------------------------------------------------------
+# The dequantising GEMM (gemm_*_n16 / n32 / n64) for quantised launches of 9..64 columns
+
+
+@pytest.mark.parametrize("kind,tag", [("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")])
+def test_gemm_takes_quantised_launches_of_9_to_64_columns(kind, tag, monkeypatch):
+    monkeypatch.setenv(cl.MM_ENV, "1")
+    for variant in cl.VARIANTS:
+        for O, I in ((34816, 5120), (5120, 17408), (48, 5120), (1, 64), (77, 1056 if kind != "nvfp4" else 1088)):
+            for swiglu in (False, True):
+                for T in (1, 8):                              # up to 8 columns: the GEMV kernels as before
+                    assert not cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)["kernel"].startswith("gemm")
+                for T, n in ((9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
+                    r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)
+                    if T > cl.gemv_columns(kind):             # past the GEMV's columns: dequantise + cuBLAS
+                        assert r["path"] == "dequant_matmul"
+                        continue
+                    assert r["kernel"] == f"gemm_{tag}_n{n}" and r["nt"] == n and r["T"] == T, (O, I, T, r)
+                    mt = cl._MM[(kind, n // 8)][0]
+                    tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
+                    assert r["units"] == tiles and r["grid"][0] == -(-tiles // (8 * mt)), r
+                    S = r["grid"][1]
+                    assert S == r["ks"] and 1 <= S <= 16
+                    assert S * r["grid"][0] * mt * n * 128 * 8 // 8 <= cl.MM_WS_FLOATS
+        assert cl.launch_columns(kind, 5120) == 64
+    # nvfp4 rows of an odd number of 16-element groups keep the CUDA-core kernels
+    assert not cl.route(300, 5120 + 16, 20, "nvfp4", SM)["kernel"].startswith("gemm")
+
+
+def test_gemm_splits_i_where_the_row_blocks_leave_sms_idle(monkeypatch):
+    """A narrow, deep layer (27B down: 5120 x 17408) gets several slices of I, a wide one (gate|up) few;
+    a short row (I = 64) one; the count fills the SMs' resident slots without exceeding the workspace."""
+    monkeypatch.setenv(cl.MM_ENV, "1")
+    down = cl.route(5120, 17408, 32, "nvfp4", SM)
+    wide = cl.route(34816, 5120, 32, "nvfp4", SM, swiglu=True)
+    assert down["grid"][1] >= 4 and down["grid"][0] * down["grid"][1] >= SM
+    assert wide["grid"][1] <= down["grid"][1]
+    assert cl.route(77, 64, 32, "nvfp4", SM)["grid"][1] == 1
+    # the model's choice: waves of resident blocks over slices, 2% of a pass per extra slice
+    assert cl._mm_splits(20, 1000, 264, 1024) > 1
+    assert cl._mm_splits(264, 1000, 264, 1024) == 1          # one full wave already
+    assert cl._mm_splits(20, 3, 264, 1024) == 1               # too few iterations to split
+    assert cl._mm_splits(cl.MM_COUNTERS + 1, 1000, 264, 8) == 1
+    assert cl._mm_splits(20, 1000, 264, cl.MM_WS_FLOATS // 40) <= 2
+    # the benchmark override, capped the same way
+    monkeypatch.setenv(cl.MM_SPLITS_ENV, "3")
+    assert cl.route(5120, 17408, 32, "nvfp4", SM)["grid"][1] == 3
+    assert cl.route(77, 64, 32, "nvfp4", SM)["grid"][1] == 1
+    monkeypatch.setenv(cl.MM_SPLITS_ENV, "99")
+    with pytest.raises(KernelError, match=cl.MM_SPLITS_ENV):
+        cl.route(5120, 17408, 32, "nvfp4", SM)
+
+
+def test_gemm_switch_from_the_environment(monkeypatch):
+    monkeypatch.setenv(cl.MM_ENV, "0")
+    assert cl.route(5120, 17408, 32, "nvfp4", SM)["kernel"] == "gemv_nvfp4_tc32"
+    assert cl.launch_columns("fp8_row", 5120) == 32
+    monkeypatch.setenv(cl.MM_ENV, "1")
+    assert cl.route(5120, 17408, 32, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n32"
+    monkeypatch.delenv(cl.MM_ENV)
+    assert cl.mm_on()
+    monkeypatch.setenv(cl.MM_ENV, "yes")
+    with pytest.raises(KernelError, match=cl.MM_ENV):
+        cl.route(5120, 17408, 32, "nvfp4", SM)

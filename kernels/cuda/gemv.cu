@@ -903,6 +903,299 @@ GEMV_XS_KERNEL(gemv_fp8blk_xs32, KIND_FP8BLK, 4)
 GEMV_XS_KERNEL(gemv_nvfp4_xs32, KIND_NVFP4, 4)
 
 // ------------------------------------------------------------------------------------------------
+// Quantised GEMM for 9..64 columns: gemm_{fp8row,fp8blk,nvfp4}_n16 / n32 / n64 (kernels/cuda_linear.py:
+// MM_ENV, _route_mm). The decode side of gemv_*_tc (a warp's lanes decode 16-byte chunks of two rows of
+// a 16-row tile in registers, tc_step's A fragments), organised as a GEMM instead of a GEMV:
+//   - a warp owns MT row tiles (16 MT rows) and every column: each B fragment read from shared memory
+//     feeds MT mma; the block's 8 warps own 128 MT consecutive rows (a tile of the grid's x axis);
+//   - x is staged per block, once per iteration of MM_P steps (64 or 128 elements of I per step), already
+//     in the order the A fragments want (tc_step's prmt pairs; fp8: times 2^64), so a B fragment pair is
+//     one conflict-free 16-byte shared load; registers carry the next iteration's x while the current
+//     one computes, and one barrier per iteration separates the two buffers;
+//   - the grid's y axis splits I (S = gridDim.y slices): slice partials go to an fp32 workspace, and the
+//     last block of a row tile to arrive (a counter per row tile, reset by that block, so graph replays
+//     need no host reset) sums them in slice order (the same bits whichever block is last) and runs the
+//     epilogue. S = 1 stores straight through the epilogue.
+// Numerics: tc_step's products and scales; the sum order differs from gemv_*_tc (per-slice, then across
+// slices), so outputs agree with it to rounding, not bit for bit. The workspace and counters belong to
+// one stream at a time (the launches of a stream are ordered; pdl_wait precedes every workspace access).
+#define MM_WARPS 8
+#define MM_PAD 4                                                      // 16-byte units after each staged column
+
+template <int KIND>
+__device__ __forceinline__ uint4 mm_perm_x(uint4 v) {
+    if (KIND == KIND_NVFP4)                                           // (x0 x4) (x1 x5) (x2 x6) (x3 x7)
+        return make_uint4(prmt(v.x, v.z, 0x5410u), prmt(v.x, v.z, 0x7632u), prmt(v.y, v.w, 0x5410u),
+                          prmt(v.y, v.w, 0x7632u));
+    const unsigned two64 = 0x5f805f80u;                               // (x0 x2) (x1 x3) (x4 x6) (x5 x7) * 2^64
+    return make_uint4(bf16x2_mul(prmt(v.x, v.y, 0x5410u), two64), bf16x2_mul(prmt(v.x, v.y, 0x7632u), two64),
+                      bf16x2_mul(prmt(v.z, v.w, 0x5410u), two64), bf16x2_mul(prmt(v.z, v.w, 0x7632u), two64));
+}
+
+// One step of a lane over its MT tiles: chunk wv[mt][r] of rows r of tile mt times the staged x of the
+// NB column tiles (xb: this lane's unit for column g of tile 0; column tile nb at + 8 nb ROWU units,
+// word m at + 4 m). fp8blk: the step's sums scaled by the rows' block scales s[mt][r].
+template <int KIND, int NB, int MT, int ROWU>
+__device__ __forceinline__ void mm_step(const uint4 (&wv)[MT][2], const unsigned (&sv)[MT][2], const uint4* xb,
+                                        const float (&s)[MT][2], float (&acc)[MT][NB][4]) {
+    if (KIND == KIND_NVFP4) {
+        unsigned s2[MT][2][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                s2[mt][r][0] = fp8_scale_bf16x2_2p118(sv[mt][r] & 0xffu);
+                s2[mt][r][1] = fp8_scale_bf16x2_2p118((sv[mt][r] >> 8) & 0xffu);
+            }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            unsigned a[MT][4], h[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const unsigned w0 = m == 0 ? wv[mt][0].x : m == 1 ? wv[mt][0].y : m == 2 ? wv[mt][0].z : wv[mt][0].w;
+                const unsigned w1 = m == 0 ? wv[mt][1].x : m == 1 ? wv[mt][1].y : m == 2 ? wv[mt][1].z : wv[mt][1].w;
+                const unsigned v0 = w0 >> 8, v1 = w1 >> 8;
+                const unsigned sa = s2[mt][0][m >> 1], sb = s2[mt][1][m >> 1];
+                a[mt][0] = bf16x2_mul(fp4pair_bf16<0>(w0), sa); a[mt][1] = bf16x2_mul(fp4pair_bf16<0>(w1), sb);
+                a[mt][2] = bf16x2_mul(fp4pair_bf16<1>(w0), sa); a[mt][3] = bf16x2_mul(fp4pair_bf16<1>(w1), sb);
+                h[mt][0] = bf16x2_mul(fp4pair_bf16<0>(v0), sa); h[mt][1] = bf16x2_mul(fp4pair_bf16<0>(v1), sb);
+                h[mt][2] = bf16x2_mul(fp4pair_bf16<1>(v0), sa); h[mt][3] = bf16x2_mul(fp4pair_bf16<1>(v1), sb);
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const uint4 b = xb[nb * 8 * ROWU + 4 * m];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16_16816(acc[mt][nb], a[mt], b.x, b.y);
+                    mma_bf16_16816(acc[mt][nb], h[mt], b.z, b.w);
+                }
+            }
+        }
+    } else {
+        float cs[MT][NB][4];
+        if (KIND == KIND_FP8BLK) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) cs[mt][nb][i] = 0.f;
+        }
+        float (&cc)[MT][NB][4] = KIND == KIND_FP8BLK ? cs : acc;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {                              // x unit hh: elements 8 hh .. 8 hh + 7
+            unsigned e0[MT][2], o0[MT][2], e1[MT][2], o1[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int mm = 0; mm < 2; ++mm) {
+                    const int m = 2 * hh + mm;
+                    const unsigned w0 = m == 0 ? wv[mt][0].x : m == 1 ? wv[mt][0].y : m == 2 ? wv[mt][0].z : wv[mt][0].w;
+                    const unsigned w1 = m == 0 ? wv[mt][1].x : m == 1 ? wv[mt][1].y : m == 2 ? wv[mt][1].z : wv[mt][1].w;
+                    fp8x4_bf16(w0, e0[mt][mm], o0[mt][mm]);
+                    fp8x4_bf16(w1, e1[mt][mm], o1[mt][mm]);
+                }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const uint4 b = xb[nb * 8 * ROWU + 4 * hh];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16_16816(cc[mt][nb], e0[mt][0], e1[mt][0], o0[mt][0], o1[mt][0], b.x, b.y);
+                    mma_bf16_16816(cc[mt][nb], e0[mt][1], e1[mt][1], o0[mt][1], o1[mt][1], b.z, b.w);
+                }
+            }
+        }
+        if (KIND == KIND_FP8BLK) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    acc[mt][nb][0] = fmaf(cs[mt][nb][0], s[mt][0], acc[mt][nb][0]);
+                    acc[mt][nb][1] = fmaf(cs[mt][nb][1], s[mt][0], acc[mt][nb][1]);
+                    acc[mt][nb][2] = fmaf(cs[mt][nb][2], s[mt][1], acc[mt][nb][2]);
+                    acc[mt][nb][3] = fmaf(cs[mt][nb][3], s[mt][1], acc[mt][nb][3]);
+                }
+        }
+    }
+}
+
+#define GEMM_ARGS GEMV_ARGS, float* __restrict__ ws, int* __restrict__ counters
+// ks (GEMV_ARGS) is unused: the I-split is gridDim.y.
+template <int KIND, int NB, int MT, int P>
+__device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
+                                            const u8_t* __restrict__ w, const void* __restrict__ scale,
+                                            const float* __restrict__ gscale, const bf16_t* residual,
+                                            int O, int I, int T, int mode, int F, int sb, const Split& split,
+                                            float* __restrict__ ws, int* __restrict__ counters) {
+    constexpr int EPC = KIND == KIND_NVFP4 ? 32 : 16;               // elements per 16-byte chunk
+    constexpr int WD = EPC / 8;                                       // x units per lane per step per column
+    constexpr int NC = 8 * NB;                                        // staged columns
+    constexpr int UPC = P * 4 * WD;                                   // units per column per iteration
+    constexpr int ROWU = UPC + MM_PAD;                                // = 4 mod 8: columns g, g+1 on other banks
+    constexpr int NX = (NC * UPC + 255) / 256;                        // units a thread stages per iteration
+    __shared__ uint4 xs[2][NC * ROWU];
+    __shared__ int last_block;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int bm = blockIdx.x, sk = blockIdx.y, S = gridDim.y;
+    int rows[MT][2];
+    bool ok[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) tc_tile_rows(mode, (bm * MM_WARPS + warp) * MT + mt, g, O, F, rows[mt], ok[mt]);
+
+    const int C = I / EPC;                                            // 16-byte chunks per row
+    const int steps = (C + 3) / 4;
+    const int sps = (((steps + S - 1) / S) + P - 1) / P * P;           // steps per slice, whole iterations
+    const int q0 = sk * sps, q1 = min(steps, q0 + sps);
+    const int J = q1 > q0 ? (q1 - q0 + P - 1) / P : 0;
+
+    const u8_t* wrow[MT][2];
+    const u8_t* srow[MT][2];
+    const float* bs[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = ok[mt][r] ? rows[mt][r] : 0;
+            wrow[mt][r] = w + (i64_t)row * ((i64_t)C * 16);
+            srow[mt][r] = (const u8_t*)scale + (i64_t)row * (I / 16);
+            bs[mt][r] = (const float*)scale + (i64_t)(row >> 7) * sb;
+        }
+
+    uint4 wv[P][MT][2];
+    unsigned sv[P][MT][2];
+    auto load_w = [&](int p, int j) {                                 // step q0 + j P + p: chunk 4q + t (4q past the row end)
+        const int q = q0 + j * P + p;
+        if (q >= q1) return;
+        const int c = 4 * q + t < C ? 4 * q + t : 4 * q;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                wv[p][mt][r] = ld_stream16(wrow[mt][r] + (i64_t)c * 16);
+                sv[p][mt][r] = KIND == KIND_NVFP4 ? (unsigned)__ldg((const unsigned short*)(srow[mt][r] + (i64_t)c * 2)) : 0u;
+            }
+    };
+    // x of iteration j: unit u of column col holds natural elements (4 q + tt) EPC + 8 m .. + 7 of step
+    // q = q0 + j P + s, where u = (s WD + m) 4 + tt; zeros past I and for columns >= T.
+    uint4 xr[NX];
+    auto load_x = [&](int j) {
+#pragma unroll
+        for (int n = 0; n < NX; ++n) {
+            const int i = tid + 256 * n;
+            const int col = i / UPC, u = i % UPC;                     // UPC: a power of two
+            const int s = u / (4 * WD), m = (u >> 2) % WD, tt = u & 3;
+            const int e = (4 * (q0 + j * P + s) + tt) * EPC + 8 * m;
+            xr[n] = (i < NC * UPC && col < T && e < I) ? ld_x16(x + (i64_t)col * I + e) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    auto store_x = [&](int b) {
+#pragma unroll
+        for (int n = 0; n < NX; ++n) {
+            const int i = tid + 256 * n;
+            if (i < NC * UPC) xs[b][(i / UPC) * ROWU + i % UPC] = mm_perm_x<KIND>(xr[n]);
+        }
+    };
+
+    float acc[MT][NB][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nb][i] = 0.f;
+
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+        if (J > 0) load_w(p, 0);                                      // weights only: before the wait
+    pdl_wait();
+    if (J > 0) { load_x(0); store_x(0); }
+    __syncthreads();
+    for (int j = 0; j < J; ++j) {
+        const bool more = j + 1 < J;                                  // block-uniform
+        if (more) load_x(j + 1);
+        const uint4* xb = &xs[j & 1][g * ROWU + t];
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int q = q0 + j * P + p;
+            if (q < q1) {
+                float sc[MT][2];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) sc[mt][r] = KIND == KIND_FP8BLK ? __ldg(bs[mt][r] + (q >> 1)) : 1.f;
+                mm_step<KIND, NB, MT, ROWU>(wv[p], sv[p], xb + p * 4 * WD, sc, acc);
+            }
+            if (more) load_w(p, j + 1);
+        }
+        if (more) store_x((j + 1) & 1);
+        __syncthreads();
+    }
+
+    if (S > 1) {                                                      // slice partials, then the last block sums them
+        const int per_warp = MT * NB * 4 * 32;
+        float* part = ws + (((i64_t)sk * gridDim.x + bm) * MM_WARPS + warp) * per_warp;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[((mt * NB + nb) * 4 + i) * 32 + lane] = acc[mt][nb][i];
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const int done = atomicAdd(counters + bm, 1);
+            last_block = done == S - 1;
+            if (done == S - 1) atomicExch(counters + bm, 0);          // every slice has counted: ready for the next launch
+        }
+        __syncthreads();
+        if (!last_block) return;
+        __threadfence();
+        const i64_t slice = (i64_t)gridDim.x * MM_WARPS * per_warp;
+        const float* mine = ws + ((i64_t)bm * MM_WARPS + warp) * per_warp;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int o = ((mt * NB + nb) * 4 + i) * 32 + lane;
+                    float v = __ldcg(mine + o);
+                    for (int k = 1; k < S; ++k) v += __ldcg(mine + k * slice + o);
+                    acc[mt][nb][i] = v;
+                }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float mul[2];
+        tc_row_scales<KIND>(scale, gscale, ok[mt], rows[mt], mul);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) tc_store(y, residual, acc[mt][nb], mul, ok[mt], rows[mt], 8 * nb + 2 * t, T, O, F, mode, split);
+    }
+}
+
+#define GEMM_Q_KERNEL(name, KIND, NB, MT, P, MINB)                            \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(GEMM_ARGS) {  \
+        pdl_trigger();                                                        \
+        gemm_q_body<KIND, NB, MT, P>(y, x, w, scale, gscale, residual, O, I, T, mode, F, sb, \
+                                  Split{y1, y2, y3, o1, o2, o3}, ws, counters); \
+    }
+
+// (name, kind, column tiles NB, row tiles per warp MT, steps per iteration P, blocks per SM): <= 128
+// registers without spills for two blocks per SM; the 64-column nvfp4 / fp8blk kernels need more and run
+// one block per SM (sm_90a: 140 / 164 registers).
+GEMM_Q_KERNEL(gemm_fp8row_n16, KIND_FP8ROW, 2, 2, 2, 2)
+GEMM_Q_KERNEL(gemm_fp8blk_n16, KIND_FP8BLK, 2, 2, 2, 2)
+GEMM_Q_KERNEL(gemm_nvfp4_n16, KIND_NVFP4, 2, 2, 2, 2)
+GEMM_Q_KERNEL(gemm_fp8row_n32, KIND_FP8ROW, 4, 2, 2, 2)
+GEMM_Q_KERNEL(gemm_fp8blk_n32, KIND_FP8BLK, 4, 1, 2, 2)
+GEMM_Q_KERNEL(gemm_nvfp4_n32, KIND_NVFP4, 4, 2, 1, 2)
+GEMM_Q_KERNEL(gemm_fp8row_n64, KIND_FP8ROW, 8, 1, 1, 2)
+GEMM_Q_KERNEL(gemm_fp8blk_n64, KIND_FP8BLK, 8, 1, 1, 1)
+GEMM_Q_KERNEL(gemm_nvfp4_n64, KIND_NVFP4, 8, 1, 1, 1)
+
+// ------------------------------------------------------------------------------------------------
 // Pipelined tensor-core decode GEMV for quantised weights, T <= 8 columns (one column tile of 8):
 // gemv_{fp8row,fp8blk,nvfp4}_pipe. Chosen by TANDEM_GEMV_VARIANT=pipelined (kernels/cuda_linear.py
 // route); not the default route yet.
