@@ -57,7 +57,7 @@ MAX_GEMV_COLUMNS = 16                  # columns per launch of the CUDA-core GEM
 # bytes, and a second 32-column pass cost more than the dequantised copy (27B, fourteenth session: a
 # 64-token prefill step 47.6 against 58.0 ms of kernels, the C = 64 decode step 53.5-54.0 against 56.3
 # ms; fp8 at C = 64 61.5 against 57.9 ms, so fp8 keeps 64).
-GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 32}
+GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
 # A small bf16 weight (at most this many elements: the GDN a|b projections a quantised model keeps in
 # bf16, 96 x 5120 on the 27B) stays on the GEMV up to MAX_GEMV_COLUMNS: its few FMAs cost less than
 # cuBLAS's split-K launch pair (27B nvfp4 C = 8 step, docs/perf.md thirteenth session: a|b on cuBLAS
@@ -108,7 +108,8 @@ PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_
 STAGED_ENV = "TANDEM_GEMV_STAGED"
 XS_KT = 256
 # The dequantising GEMM for quantised launches of 9..64 columns (gemm_{fp8row,fp8blk,nvfp4}_n16 / n32 / n64,
-# gemv.cu). TANDEM_GEMV_MM (read at every launch plan): "1" (the default) or "0" (the GEMV kernels above).
+# gemv.cu). TANDEM_GEMV_MM (read at every launch plan): "1" (the default: where mm_wins), "all" (every
+# launch it serves; benchmarks) or "0" (the GEMV kernels above, nvfp4 beyond 32 columns dequantised).
 # Per kernel (kind, column tiles): (row tiles of 16 per warp, steps per iteration, blocks per SM), as
 # gemv.cu's GEMM_Q_KERNEL lines. A block owns 8 warps x MT tiles of rows; the grid's y axis splits I into
 # S slices (_mm_splits), whose fp32 partials meet in a per-device workspace (MM_WS_FLOATS floats, counters
@@ -116,12 +117,24 @@ XS_KT = 256
 MM_ENV = "TANDEM_GEMV_MM"
 MM_SPLITS_ENV = "TANDEM_GEMM_SPLITS"   # benchmarks: every GEMM launch's slice count (1..32, capped as usual)
 MM_MAX_COLUMNS = 64
-_MM = {("fp8_row", 2): (2, 2, 2), ("fp8_block", 2): (2, 2, 2), ("nvfp4", 2): (2, 2, 2),
-       ("fp8_row", 4): (2, 2, 2), ("fp8_block", 4): (1, 2, 2), ("nvfp4", 4): (2, 1, 2),
-       ("fp8_row", 8): (1, 1, 2), ("fp8_block", 8): (1, 1, 1), ("nvfp4", 8): (1, 1, 1)}
+# name -> (kind, column tiles, row tiles per warp, steps per iteration, blocks per SM); as gemv.cu's
+# GEMM_Q_KERNEL lines. The route's kernel per (kind, column tiles) is _MM_DEFAULT; MM_SHAPE_ENV
+# (benchmarks) picks the _m1 / _p4 shapes where they exist.
+_MM_KERNELS = {}
+for _kind, _tag in (("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")):
+    for _nb, _mt, _p, _per_sm in ((2, 2, 2, 2), (4, 1 if _kind == "fp8_block" else 2, 1 if _kind == "nvfp4" else 2, 2),
+                                  (8, 1, 1, 2 if _kind == "fp8_row" else 1)):
+        _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}"] = (_kind, _nb, _mt, _p, _per_sm)
+    for _nb in (2, 4):
+        if not (_nb == 4 and _kind == "fp8_block"):
+            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_m1"] = (_kind, _nb, 1, 2, 2)
+        if not (_nb == 4 and _kind == "nvfp4"):
+            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_p4"] = (_kind, _nb, 1, 4, 2)
+MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # benchmarks: "m1" or "p4" (read at every launch plan)
 MM_WS_FLOATS = 1 << 22                 # 16 MiB of fp32 partials per device
 MM_COUNTERS = 1 << 13
 MM_MIN_ITERATIONS = 4                  # a slice covers at least this many iterations of P steps
+MM_MIN_ROWS = 8192                     # mm_wins: the narrowest layer that takes the GEMM at 9..32 columns
 _mm_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -150,18 +163,35 @@ def staged_x() -> str:
     return v
 
 
-def mm_on() -> bool:
-    """Whether quantised launches of 9..64 columns take the dequantising GEMM ($TANDEM_GEMV_MM, default 1)."""
+def _mm_setting() -> str:
     v = os.environ.get(MM_ENV) or "1"
-    if v not in ("0", "1"):
-        raise L.KernelError(f"{MM_ENV}={v!r}: expected 1 or 0")
-    return v == "1"
+    if v not in ("0", "1", "all"):
+        raise L.KernelError(f"{MM_ENV}={v!r}: expected 1, all or 0")
+    return v
+
+
+def mm_on() -> bool:
+    """Whether quantised launches of 9..64 columns may take the dequantising GEMM ($TANDEM_GEMV_MM: 1, the
+    default, where mm_wins; all; 0 never)."""
+    return _mm_setting() != "0"
 
 
 def mm_applies(kind: str, I: int, T: int) -> bool:
-    """The GEMM takes fp8 and nvfp4 (I % 32 == 0) launches of 9..64 columns when mm_on()."""
+    """The GEMM serves fp8 and nvfp4 (I % 32 == 0) launches of 9..64 columns when mm_on() (whether it
+    takes one is mm_wins')."""
     return (kind in _TC_KINDS and not (kind == "nvfp4" and I % 32) and PIPE_MAX_COLUMNS < T <= MM_MAX_COLUMNS
             and mm_on())
+
+
+def mm_wins(O: int, T: int, kind: str) -> bool:
+    """Where the GEMM was measured faster than the GEMV kernels (scripts/bench/linear.py, 27B, H200,
+    docs/perf.md fifteenth session): every launch of 33..64 columns (the GEMV would take two); 9..32
+    columns on layers of at least MM_MIN_ROWS rows (q_proj, GDN qkv, gate|up: nvfp4 at 32 columns 48 / 96
+    us against 74 / 121), except fp8 at 9..16 (slower everywhere); the narrow layers (5120 rows: o_proj,
+    down, GDN out) keep the GEMV up to 32 columns (nvfp4 down at 32 columns 90 against 84 us)."""
+    if T > 32 or _mm_setting() == "all":
+        return True
+    return O >= MM_MIN_ROWS and (kind == "nvfp4" or T > 16)
 
 
 def pipe_applies(kind: str, I: int, T: int) -> bool:
@@ -219,7 +249,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
-    if mm_applies(kind, I, T):
+    if mm_applies(kind, I, T) and mm_wins(O, T, kind):
         return _route_mm(O, I, T, kind, sm_count, swiglu)
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
@@ -323,12 +353,18 @@ def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     """The dequantising GEMM (gemm_*_n16 / n32 / n64, gemv.cu): 8 warps of MT 16-row tiles (SwiGLU: 8 gate
     rows and their 8 up rows per tile) per block on the grid's x axis, S slices of I on its y axis."""
     nb = 2 if T <= 16 else 4 if T <= 32 else 8
-    mt, p, per_sm = _MM[(kind, nb)]
+    name = f"gemm_{_KIND_TAG[kind]}_n{8 * nb}"
+    shape = os.environ.get(MM_SHAPE_ENV) or ""
+    if shape not in ("", "m1", "p4"):
+        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected m1 or p4")
+    if shape and f"{name}_{shape}" in _MM_KERNELS:
+        name = f"{name}_{shape}"
+    _, _, mt, p, per_sm = _MM_KERNELS[name]
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     bm = -(-tiles // (WARPS * mt))
     steps = -(-(I // _EPC[kind]) // 4)
     S = _mm_splits(bm, -(-steps // p), per_sm * sm_count, mt * nb * 4 * 32 * WARPS)
-    return {"path": "gemv", "kind": kind, "kernel": f"gemm_{_KIND_TAG[kind]}_n{8 * nb}", "nt": 8 * nb, "ks": S,
+    return {"path": "gemv", "kind": kind, "kernel": name, "nt": 8 * nb, "ks": S,
             "units": tiles, "rows_per_warp": 16 * mt, "block": (32 * WARPS,), "grid": (bm, S), "T": T,
             "mm": True}
 
@@ -596,10 +632,12 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | Non
 
 
 def gemv_columns(kind: str) -> int:
-    """The most columns of a `kind` weight on the GEMV: GEMV_COLUMNS[kind], or $TANDEM_GEMV_QCOLUMNS for
-    the quantised kinds."""
+    """The most columns of a `kind` weight on the GEMV: GEMV_COLUMNS[kind] (nvfp4 32 with the GEMM off,
+    as before it existed), or $TANDEM_GEMV_QCOLUMNS for the quantised kinds."""
     q = L.env_int(QCOLUMNS_ENV, 1, 64) if kind != "bf16" else None
-    return GEMV_COLUMNS[kind] if q is None else q
+    if q is not None:
+        return q
+    return 32 if kind == "nvfp4" and not mm_on() else GEMV_COLUMNS[kind]
 
 
 def _shape(w):

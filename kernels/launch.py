@@ -218,9 +218,10 @@ def direct_launch_enabled() -> bool:
 
 
 # Kernels that may be launched with pdl=True: each calls pdl_wait() before it reads anything an earlier
-# kernel wrote or writes anything (tests/test_launch.py checks their PTX). The GEMV kernels put weight
-# loads in flight first; the others wait at entry (pdl_enter()).
-PDL_PREFIXES = ("gemv_bf16_", "gemv_fp8row_", "gemv_fp8blk_", "gemv_nvfp4", "gqa_decode_split_g", "gqa_decode_split_i8_g",
+# kernel wrote or writes anything (tests/test_launch.py checks their PTX). The GEMV and GEMM kernels put
+# weight loads in flight first; the others wait at entry (pdl_enter()).
+PDL_PREFIXES = ("gemv_bf16_", "gemv_fp8row_", "gemv_fp8blk_", "gemv_nvfp4", "gemm_fp8row_", "gemm_fp8blk_", "gemm_nvfp4_",
+                "gqa_decode_split_g", "gqa_decode_split_i8_g",
                 "gdn_recurrent_dk", "mailbox_exchange_f", "mailbox_lean_w")
 PDL_KERNELS = frozenset({
     "embedding_bf16_v8", "embedding_bf16_generic", "rms_norm_bf16_v8", "rms_norm_bf16_generic",
@@ -229,12 +230,12 @@ PDL_KERNELS = frozenset({
     "moe_down_combine_late", "qk_norm_rope_kv_write_bf16",
     "qk_norm_rope_kv_write_i8", "gqa_decode_combine", "gdn_conv1d_bf16", "gdn_gated_rms_norm_bf16",
     "floor_empty"})
-PDL_WAIT_FIRST = ("gemv_",)                          # may start loads (weights only) before pdl_wait
+PDL_WAIT_FIRST = ("gemv_", "gemm_")                 # may start loads (weights only) before pdl_wait
 # bench.cu's probe (tests/test_cuda_launch.py) writes a flag before its wait on purpose
 PDL_PROBES = frozenset({"pdl_probe_secondary"})
 
 
-PDL_DEFAULT = ("gemv_",) + tuple(PDL_PROBES)         # dependent launches under the default TANDEM_PDL
+PDL_DEFAULT = ("gemv_", "gemm_") + tuple(PDL_PROBES)   # dependent launches under the default TANDEM_PDL
 
 
 @functools.lru_cache(maxsize=None)

@@ -539,6 +539,7 @@ def test_staged_route_is_taken_and_matches_the_reference(kind, seed, monkeypatch
     from kernels import cuda_linear as cl
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     monkeypatch.setenv(cl.STAGED_ENV, "all")
+    monkeypatch.setenv(cl.MM_ENV, "0")
     for T in (9, 24, 32, 40, 64):
         assert cl.route(34816, 5120, T, kind, sms)["kernel"].startswith(f"gemv_{_TAG[kind]}_xs")
         _run_linear(kind, 34816, 5120, T, seed + T)
@@ -584,22 +585,27 @@ def _gemm_vs_reference(kind, w, wf, O, I, T, seed, mode):
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)
 @pytest.mark.parametrize("O,I", GEMM_SHAPES)
-def test_gemm_every_slice_count(kind, O, I, seed, monkeypatch):
-    """1, 2, 3 and 7 slices of I (capped by the row length) and the route's own choice, each column tile
-    width, every epilogue: each against the reference, and each slice count's output the same bits on a
-    second run (the last block sums the slices in slice order, whichever arrives last)."""
+@pytest.mark.parametrize("shape", ("", "m1", "p4"))
+def test_gemm_every_slice_count(kind, O, I, shape, seed, monkeypatch):
+    """1, 3 and 7 slices of I (capped by the row length) and the route's own choice, each column tile
+    width and tile shape (MM_SHAPE_ENV), every epilogue: each against the reference, and 3 slices'
+    output the same bits on a second run (the last block sums the slices in slice order,
+    whichever arrives last)."""
     from kernels import cuda_linear as cl
+    monkeypatch.setenv(cl.MM_ENV, "all")
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, shape)
     w, wf = _weight(kind, O, I, seed)
-    for T in (9, 24, 40, 64):
-        for S in (None, 1, 2, 3, 7):
+    for T in (9, 24, 33, 64):
+        for S in (None, 1, 3, 7):
             if S is None:
                 monkeypatch.delenv(cl.MM_SPLITS_ENV, raising=False)
             else:
                 monkeypatch.setenv(cl.MM_SPLITS_ENV, str(S))
             for mode in _modes(O):
                 a = _gemm_vs_reference(kind, w, wf, O, I, T, seed + T, mode)
-                b = _gemm_vs_reference(kind, w, wf, O, I, T, seed + T, mode)
-                assert torch.equal(a, b), (T, S, mode)
+                if S == 3:
+                    b = _gemm_vs_reference(kind, w, wf, O, I, T, seed + T, mode)
+                    assert torch.equal(a, b), (T, S, mode)
 
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)
@@ -611,7 +617,7 @@ def test_gemm_agrees_with_the_gemv_kernels(kind, seed, monkeypatch):
     for O, I, T in ((5120, 17408, 32), (34816, 5120, 17), (300, 4160, 64)):
         w, _ = _weight(kind, O, I, seed + T)
         x = _x(T, I, seed + T)
-        monkeypatch.setenv(cl.MM_ENV, "1")
+        monkeypatch.setenv(cl.MM_ENV, "all")
         a = linear(x, w)
         monkeypatch.setenv(cl.MM_ENV, "0")
         b = linear(x, w)
@@ -624,6 +630,7 @@ def test_gemm_graph_replays(seed, monkeypatch):
     from kernels import cuda_linear as cl
     from kernels.cuda_linear import linear, linear_swiglu
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "5")
+    monkeypatch.setenv(cl.MM_ENV, "all")
     w, _ = _weight("nvfp4", 5120, 17408, seed)
     wg, _ = _weight("fp8_block", 2048, 5120, seed + 1)
     x = _x(24, 17408, seed)

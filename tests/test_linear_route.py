@@ -18,6 +18,7 @@ def no_variant_in_the_environment(monkeypatch):
     monkeypatch.setenv(cl.STAGED_ENV, "0")
     monkeypatch.setenv(cl.MM_ENV, "0")
     monkeypatch.delenv(cl.MM_SPLITS_ENV, raising=False)
+    monkeypatch.delenv(cl.MM_SHAPE_ENV, raising=False)
 
 
 @pytest.mark.parametrize("staged", ["all", "0"])
@@ -33,7 +34,7 @@ def test_quantised_columns_go_to_the_tensor_core_kernels(kind, tag, staged, monk
         assert r["nt"] >= T
     assert cl.launch_columns(kind, 5120) == 32
     most = 32 if kind == "nvfp4" else 64               # nvfp4: a second 32-column pass costs more than dequantising
-    assert cl.GEMV_COLUMNS[kind] == most
+    assert cl.gemv_columns(kind) == most               # (with the GEMM off; it takes nvfp4 to 64)
     for T in (33, 64):                                 # fp8: two launches of the 32-column kernel
         r = cl.route(34816, 5120, T, kind, SM)
         assert r["path"] == "dequant_matmul" if T > most else r["kernel"] == f"gemv_{tag}_{wide}32", (T, r)
@@ -275,11 +276,11 @@ def test_gemm_takes_quantised_launches_of_9_to_64_columns(kind, tag, monkeypatch
                     assert not cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)["kernel"].startswith("gemm")
                 for T, n in ((9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
                     r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)
-                    if T > cl.gemv_columns(kind):             # past the GEMV's columns: dequantise + cuBLAS
-                        assert r["path"] == "dequant_matmul"
+                    if not cl.mm_wins(O, T, kind):            # the GEMV kernels where they were faster
+                        assert r["kernel"].startswith("gemv_"), (O, I, T, r)
                         continue
                     assert r["kernel"] == f"gemm_{tag}_n{n}" and r["nt"] == n and r["T"] == T, (O, I, T, r)
-                    mt = cl._MM[(kind, n // 8)][0]
+                    mt = cl._MM_KERNELS[r["kernel"]][2]
                     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
                     assert r["units"] == tiles and r["grid"][0] == -(-tiles // (8 * mt)), r
                     S = r["grid"][1]
@@ -294,11 +295,11 @@ def test_gemm_splits_i_where_the_row_blocks_leave_sms_idle(monkeypatch):
     """A narrow, deep layer (27B down: 5120 x 17408) gets several slices of I, a wide one (gate|up) few;
     a short row (I = 64) one; the count fills the SMs' resident slots without exceeding the workspace."""
     monkeypatch.setenv(cl.MM_ENV, "1")
-    down = cl.route(5120, 17408, 32, "nvfp4", SM)
-    wide = cl.route(34816, 5120, 32, "nvfp4", SM, swiglu=True)
-    assert down["grid"][1] >= 4 and down["grid"][0] * down["grid"][1] >= SM
+    down = cl.route(5120, 17408, 64, "nvfp4", SM)
+    wide = cl.route(34816, 5120, 64, "nvfp4", SM, swiglu=True)
+    assert down["grid"][1] >= 3 and down["grid"][0] * down["grid"][1] >= 0.9 * SM
     assert wide["grid"][1] <= down["grid"][1]
-    assert cl.route(77, 64, 32, "nvfp4", SM)["grid"][1] == 1
+    assert cl.route(77, 64, 64, "nvfp4", SM)["grid"][1] == 1
     # the model's choice: waves of resident blocks over slices, 2% of a pass per extra slice
     assert cl._mm_splits(20, 1000, 264, 1024) > 1
     assert cl._mm_splits(264, 1000, 264, 1024) == 1          # one full wave already
@@ -307,21 +308,49 @@ def test_gemm_splits_i_where_the_row_blocks_leave_sms_idle(monkeypatch):
     assert cl._mm_splits(20, 1000, 264, cl.MM_WS_FLOATS // 40) <= 2
     # the benchmark override, capped the same way
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "3")
-    assert cl.route(5120, 17408, 32, "nvfp4", SM)["grid"][1] == 3
-    assert cl.route(77, 64, 32, "nvfp4", SM)["grid"][1] == 1
+    assert cl.route(5120, 17408, 64, "nvfp4", SM)["grid"][1] == 3
+    assert cl.route(77, 64, 64, "nvfp4", SM)["grid"][1] == 1
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "99")
     with pytest.raises(KernelError, match=cl.MM_SPLITS_ENV):
-        cl.route(5120, 17408, 32, "nvfp4", SM)
+        cl.route(5120, 17408, 64, "nvfp4", SM)
 
 
 def test_gemm_switch_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.MM_ENV, "0")
-    assert cl.route(5120, 17408, 32, "nvfp4", SM)["kernel"] == "gemv_nvfp4_tc32"
+    assert cl.route(34816, 5120, 32, "nvfp4", SM)["kernel"] == "gemv_nvfp4_tc32"
     assert cl.launch_columns("fp8_row", 5120) == 32
+    assert cl.gemv_columns("nvfp4") == 32                      # as before the GEMM: beyond, dequantise + cuBLAS
     monkeypatch.setenv(cl.MM_ENV, "1")
-    assert cl.route(5120, 17408, 32, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n32"
+    assert cl.route(34816, 5120, 32, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n32"
+    assert cl.gemv_columns("nvfp4") == 64
     monkeypatch.delenv(cl.MM_ENV)
     assert cl.mm_on()
+    monkeypatch.setenv(cl.MM_ENV, "all")                      # benchmarks: also where the GEMV kernels won
+    assert cl.route(5120, 17408, 9, "fp8_row", SM)["kernel"] == "gemm_fp8row_n16"
     monkeypatch.setenv(cl.MM_ENV, "yes")
     with pytest.raises(KernelError, match=cl.MM_ENV):
-        cl.route(5120, 17408, 32, "nvfp4", SM)
+        cl.route(34816, 5120, 32, "nvfp4", SM)
+
+
+def test_gemm_where_it_was_measured_faster(monkeypatch):
+    """33..64 columns: every layer; 9..32: layers of >= MM_MIN_ROWS rows (fp8 from 17 columns); the 27B's
+    narrow layers (5120 rows) keep the GEMV kernels up to 32 columns."""
+    monkeypatch.setenv(cl.MM_ENV, "1")
+    for kind in ("fp8_row", "fp8_block", "nvfp4"):
+        for T in (9, 16, 17, 32, 33, 64):
+            assert cl.route(5120, 17408, T, kind, SM)["kernel"].startswith("gemm_" if T > 32 else "gemv_")
+            wide = cl.route(34816, 5120, T, kind, SM, swiglu=True)["kernel"]
+            assert wide.startswith("gemm_" if (T > 16 or kind == "nvfp4") else "gemv_"), (kind, T, wide)
+
+
+def test_gemm_shapes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(cl.MM_ENV, "all")                      # every launch the GEMM serves
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, "m1")
+    r = cl.route(34816, 5120, 16, "nvfp4", SM)
+    assert r["kernel"] == "gemm_nvfp4_n16_m1" and r["rows_per_warp"] == 16 and r["grid"][0] == 34816 // 128
+    assert cl.route(34816, 5120, 40, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n64"      # no _m1 shape: the default
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, "p4")
+    assert cl.route(34816, 5120, 16, "fp8_row", SM)["kernel"] == "gemm_fp8row_n16_p4"
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, "wide")
+    with pytest.raises(KernelError, match=cl.MM_SHAPE_ENV):
+        cl.route(34816, 5120, 16, "nvfp4", SM)

@@ -1194,6 +1194,18 @@ GEMM_Q_KERNEL(gemm_nvfp4_n32, KIND_NVFP4, 4, 2, 1, 2)
 GEMM_Q_KERNEL(gemm_fp8row_n64, KIND_FP8ROW, 8, 1, 1, 2)
 GEMM_Q_KERNEL(gemm_fp8blk_n64, KIND_FP8BLK, 8, 1, 1, 1)
 GEMM_Q_KERNEL(gemm_nvfp4_n64, KIND_NVFP4, 8, 1, 1, 1)
+// Other tile shapes, for comparisons (kernels/cuda_linear.py MM_SHAPE_ENV): one row tile per warp (_m1),
+// four steps per iteration (_p4: more weight bytes in flight per warp).
+GEMM_Q_KERNEL(gemm_fp8row_n16_m1, KIND_FP8ROW, 2, 1, 2, 2)
+GEMM_Q_KERNEL(gemm_fp8blk_n16_m1, KIND_FP8BLK, 2, 1, 2, 2)
+GEMM_Q_KERNEL(gemm_nvfp4_n16_m1, KIND_NVFP4, 2, 1, 2, 2)
+GEMM_Q_KERNEL(gemm_fp8row_n32_m1, KIND_FP8ROW, 4, 1, 2, 2)
+GEMM_Q_KERNEL(gemm_nvfp4_n32_m1, KIND_NVFP4, 4, 1, 2, 2)
+GEMM_Q_KERNEL(gemm_fp8row_n16_p4, KIND_FP8ROW, 2, 1, 4, 2)
+GEMM_Q_KERNEL(gemm_fp8blk_n16_p4, KIND_FP8BLK, 2, 1, 4, 2)
+GEMM_Q_KERNEL(gemm_nvfp4_n16_p4, KIND_NVFP4, 2, 1, 4, 2)
+GEMM_Q_KERNEL(gemm_fp8row_n32_p4, KIND_FP8ROW, 4, 1, 4, 2)
+GEMM_Q_KERNEL(gemm_fp8blk_n32_p4, KIND_FP8BLK, 4, 1, 4, 2)
 
 // ------------------------------------------------------------------------------------------------
 // Pipelined tensor-core decode GEMV for quantised weights, T <= 8 columns (one column tile of 8):
