@@ -124,17 +124,18 @@ _MM_KERNELS = {}
 for _kind, _tag in (("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")):
     for _nb, _mt, _p, _per_sm in ((2, 2, 2, 2), (4, 1 if _kind == "fp8_block" else 2, 1 if _kind == "nvfp4" else 2, 2),
                                   (8, 1, 1, 2 if _kind == "fp8_row" else 1)):
-        _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}"] = (_kind, _nb, _mt, _p, _per_sm)
+        if not (_nb == 8 and _kind == "nvfp4"):          # nvfp4 launches take 32 columns (launch_columns)
+            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}"] = (_kind, _nb, _mt, _p, _per_sm)
     for _nb in (2, 4):
         if not (_nb == 4 and _kind == "fp8_block"):
             _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_m1"] = (_kind, _nb, 1, 2, 2)
         if not (_nb == 4 and _kind == "nvfp4"):
             _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_p4"] = (_kind, _nb, 1, 4, 2)
-MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # benchmarks: "m1" or "p4" (read at every launch plan)
+MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # benchmarks: "base", "m1" or "p4" everywhere (default "auto": _route_mm)
 MM_WS_FLOATS = 1 << 22                 # 16 MiB of fp32 partials per device
 MM_COUNTERS = 1 << 13
 MM_MIN_ITERATIONS = 4                  # a slice covers at least this many iterations of P steps
-MM_MIN_ROWS = 8192                     # mm_wins: the narrowest layer that takes the GEMM at 9..32 columns
+MM_WIDE_ROWS = 20480                   # from this many rows the two-row-tile shape (27B gate|up), below _m1 / _p4
 _mm_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -185,13 +186,12 @@ def mm_applies(kind: str, I: int, T: int) -> bool:
 
 def mm_wins(O: int, T: int, kind: str) -> bool:
     """Where the GEMM was measured faster than the GEMV kernels (scripts/bench/linear.py, 27B, H200,
-    docs/perf.md fifteenth session): every launch of 33..64 columns (the GEMV would take two); 9..32
-    columns on layers of at least MM_MIN_ROWS rows (q_proj, GDN qkv, gate|up: nvfp4 at 32 columns 48 / 96
-    us against 74 / 121), except fp8 at 9..16 (slower everywhere); the narrow layers (5120 rows: o_proj,
-    down, GDN out) keep the GEMV up to 32 columns (nvfp4 down at 32 columns 90 against 84 us)."""
-    if T > 32 or _mm_setting() == "all":
+    docs/perf.md fifteenth session): nvfp4 at 9..32 columns on every layer (at 32: gate|up 94 against
+    121 us, down 55 against 84), fp8 from 17 columns (at 32: 44-114 against 73-144 us; at 9..16 the
+    GEMV stayed ahead: gate|up 75 against 91 us). O: the layer's rows (kept for a per-layer rule)."""
+    if _mm_setting() == "all":
         return True
-    return O >= MM_MIN_ROWS and (kind == "nvfp4" or T > 16)
+    return kind == "nvfp4" or T > 16
 
 
 def pipe_applies(kind: str, I: int, T: int) -> bool:
@@ -301,7 +301,7 @@ def _pick_ks(units: int, ks_cap: int, sm_count: int, blocks_per_sm: int = 4) -> 
 def launch_columns(kind: str, I: int) -> int:
     """The most columns one GEMV launch takes for this weight kind and in_features."""
     if mm_applies(kind, I, MM_MAX_COLUMNS):
-        return MM_MAX_COLUMNS
+        return 32 if kind == "nvfp4" else MM_MAX_COLUMNS   # nvfp4: two 32-column GEMMs beat one of 64
     if kind in _TC_KINDS and not (kind == "nvfp4" and I % 32) and TC_MAX_COLUMNS >= 8:
         return TC_MAX_COLUMNS
     return MAX_GEMV_COLUMNS
@@ -354,10 +354,13 @@ def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     rows and their 8 up rows per tile) per block on the grid's x axis, S slices of I on its y axis."""
     nb = 2 if T <= 16 else 4 if T <= 32 else 8
     name = f"gemm_{_KIND_TAG[kind]}_n{8 * nb}"
-    shape = os.environ.get(MM_SHAPE_ENV) or ""
-    if shape not in ("", "m1", "p4"):
-        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected m1 or p4")
-    if shape and f"{name}_{shape}" in _MM_KERNELS:
+    shape = os.environ.get(MM_SHAPE_ENV) or "auto"
+    if shape not in ("auto", "base", "m1", "p4"):
+        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected auto, base, m1 or p4")
+    if shape == "auto":                               # measured (linear.py, fifteenth session): the base shape
+        wide = O >= MM_WIDE_ROWS                      # on 27B gate|up, _m1 (nvfp4) / _p4 (fp8) on the others
+        shape = "base" if wide else ("m1" if kind == "nvfp4" else "p4")
+    if shape != "base" and f"{name}_{shape}" in _MM_KERNELS:
         name = f"{name}_{shape}"
     _, _, mt, p, per_sm = _MM_KERNELS[name]
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)

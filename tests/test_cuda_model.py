@@ -37,14 +37,39 @@ SPECS = {
 }
 
 
-def _models(spec, seed, graphs=True, ref_device="cpu"):
-    """(float32 reference, bfloat16 reference, CUDA model) on the same random weights."""
+def _models(spec, seed, graphs=True, ref_device="cpu", fmt="bf16"):
+    """(float32 reference, bfloat16 reference, CUDA model) on the same random weights. fmt: the CUDA
+    model's weight format; quantised, the references take its weights dequantised (_dequantised)."""
     from ranks.model_cuda import CudaHybridModel
     w32 = random_weights(spec, seed, dtype=torch.float32)
+    wb = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in w32.items()}
+    model = CudaHybridModel(spec, wb, cuda_graphs=graphs, weight_format=fmt)
+    if fmt != "bf16":
+        w32 = _dequantised(w32, model.w)
     ref = HybridModel(spec, {k: v.to(ref_device) for k, v in w32.items()})
     ref16 = HybridModel(spec, {k: v.to(device=ref_device, dtype=torch.bfloat16) for k, v in w32.items()})
-    wb = {k: v.to(device="cuda", dtype=torch.bfloat16) for k, v in w32.items()}
-    return ref, ref16, CudaHybridModel(spec, wb, cuda_graphs=graphs)
+    return ref, ref16, model
+
+
+def _dequantised(w32, w):
+    """The reference's weights for a quantised CUDA model: every weight the model holds quantised (its
+    fused projections' parts are row slices of the fused weight's quantised form; gate and up are rows
+    of gate_up_proj) dequantised to float32, the others as they were."""
+    from kernels.quant import QuantWeight
+    out = {}
+    for name, t in w32.items():
+        q, deq = w.get(name), None
+        if isinstance(q, QuantWeight):
+            deq = q.dequantize(torch.float32)
+        elif q is None and name.endswith(("gate_proj.weight", "up_proj.weight")) and "gate_up_proj" not in name:
+            half = "gate_proj.weight" if name.endswith("gate_proj.weight") else "up_proj.weight"
+            fused = w.get(name[: -len(half)] + "gate_up_proj.weight")
+            if isinstance(fused, QuantWeight):
+                both = fused.dequantize(torch.float32)
+                F = both.shape[0] // 2
+                deq = both[:F] if half == "gate_proj.weight" else both[F:]
+        out[name] = t if deq is None else deq.to(t.device)
+    return out
 
 
 def _reference_logits(ref, seqs, routes=None, forced=None):
@@ -263,6 +288,47 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed, 
     clear = prefill.check()
     clear += decode.check()
     assert clear > 0, "no position with a clear top-2 margin: the test checked no argmax"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4"])
+@pytest.mark.parametrize("name", ["tiny-dense", "small", "27b-4layers"])
+def test_quantised_teacher_forced_logits_match_the_float32_reference(name, fmt, seed):
+    """A quantised CUDA model (--weights fp8 / fp8-block / nvfp4) against the references on its own
+    weights dequantised: prefill chunks of 9..64 tokens (the dequantising GEMM), of more (dequantise +
+    cuBLAS), of a few (the GEMV), then decode steps of 1 and 3 columns; the same bounds as bf16."""
+    spec = SPECS[name]()
+    g = torch.Generator().manual_seed(seed)
+    big = name.startswith("27b")
+    ref, ref16, model = _models(spec, seed, ref_device="cuda" if big else "cpu", fmt=fmt)
+    lengths = [100, 90, 80] if big else [90, 60, 70]
+    chunks = [[33, 7, 24], [70], [12, 40, 3]]           # per sequence: prefill chunk lengths
+    seqs = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    B, pages = len(seqs), 4
+    state = model.new_state(B, B * pages)
+    tables = page_table(B, pages)
+    outs, pos = [], [0] * B
+    for b, cs in enumerate(chunks):
+        for n in cs:
+            ids = seqs[b][pos[b]:pos[b] + n]
+            out = model.forward(Batch(torch.tensor(ids), [n], [pos[b]], [b], tables[b:b + 1]), state, logits="all")
+            outs.append((True, b, pos[b], out.logits.float().cpu(), f"{name} {fmt} prefill seq {b} at {pos[b]}"))
+            pos[b] += n
+    for columns in (1, 3):
+        for _ in range(4):
+            live = [b for b in range(B) if pos[b] + columns <= lengths[b]]
+            ids = sum((seqs[b][pos[b]:pos[b] + columns] for b in live), [])
+            out = model.forward(Batch(torch.tensor(ids), [columns] * len(live), [pos[b] for b in live], live,
+                                      tables[live]), state, logits="all")
+            for i, b in enumerate(live):
+                outs.append((False, b, pos[b], out.logits[i * columns:(i + 1) * columns].float().cpu(),
+                             f"{name} {fmt} seq {b} at {pos[b]}"))
+                pos[b] += columns
+    want, want16 = _forced_references(ref, ref16, seqs, None, name)
+    prefill, decode = Agreement(f"{name} {fmt} prefill"), Agreement(f"{name} {fmt} decode")
+    for is_prefill, b, at, rows, where in outs:
+        n = rows.shape[0]
+        (prefill if is_prefill else decode).add(rows, want[b][at:at + n], want16[b][at:at + n], where)
+    assert prefill.check() + decode.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])

@@ -279,14 +279,21 @@ def test_gemm_takes_quantised_launches_of_9_to_64_columns(kind, tag, monkeypatch
                     if not cl.mm_wins(O, T, kind):            # the GEMV kernels where they were faster
                         assert r["kernel"].startswith("gemv_"), (O, I, T, r)
                         continue
-                    assert r["kernel"] == f"gemm_{tag}_n{n}" and r["nt"] == n and r["T"] == T, (O, I, T, r)
+                    if kind == "nvfp4":                       # nvfp4 launches take up to 32 columns
+                        n = min(n, 32)
+                    base = f"gemm_{tag}_n{n}"
+                    assert r["kernel"].startswith(base) and r["nt"] == n and r["T"] == min(T, n), (O, I, T, r)
+                    # the base shape on the widest layers, the one-row-tile (nvfp4) / 4-step (fp8) ones elsewhere
+                    rows = O
+                    want = base if rows >= cl.MM_WIDE_ROWS or n == 64 else base + ("_m1" if kind == "nvfp4" else "_p4")
+                    assert r["kernel"] == want, (O, T, r["kernel"])
                     mt = cl._MM_KERNELS[r["kernel"]][2]
                     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
                     assert r["units"] == tiles and r["grid"][0] == -(-tiles // (8 * mt)), r
                     S = r["grid"][1]
                     assert S == r["ks"] and 1 <= S <= 16
                     assert S * r["grid"][0] * mt * n * 128 * 8 // 8 <= cl.MM_WS_FLOATS
-        assert cl.launch_columns(kind, 5120) == 64
+        assert cl.launch_columns(kind, 5120) == (32 if kind == "nvfp4" else 64)
     # nvfp4 rows of an odd number of 16-element groups keep the CUDA-core kernels
     assert not cl.route(300, 5120 + 16, 20, "nvfp4", SM)["kernel"].startswith("gemm")
 
@@ -295,11 +302,11 @@ def test_gemm_splits_i_where_the_row_blocks_leave_sms_idle(monkeypatch):
     """A narrow, deep layer (27B down: 5120 x 17408) gets several slices of I, a wide one (gate|up) few;
     a short row (I = 64) one; the count fills the SMs' resident slots without exceeding the workspace."""
     monkeypatch.setenv(cl.MM_ENV, "1")
-    down = cl.route(5120, 17408, 64, "nvfp4", SM)
-    wide = cl.route(34816, 5120, 64, "nvfp4", SM, swiglu=True)
+    down = cl.route(5120, 17408, 32, "nvfp4", SM)
+    wide = cl.route(34816, 5120, 32, "nvfp4", SM, swiglu=True)
     assert down["grid"][1] >= 3 and down["grid"][0] * down["grid"][1] >= 0.9 * SM
     assert wide["grid"][1] <= down["grid"][1]
-    assert cl.route(77, 64, 64, "nvfp4", SM)["grid"][1] == 1
+    assert cl.route(77, 64, 32, "nvfp4", SM)["grid"][1] == 1
     # the model's choice: waves of resident blocks over slices, 2% of a pass per extra slice
     assert cl._mm_splits(20, 1000, 264, 1024) > 1
     assert cl._mm_splits(264, 1000, 264, 1024) == 1          # one full wave already
@@ -308,11 +315,11 @@ def test_gemm_splits_i_where_the_row_blocks_leave_sms_idle(monkeypatch):
     assert cl._mm_splits(20, 1000, 264, cl.MM_WS_FLOATS // 40) <= 2
     # the benchmark override, capped the same way
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "3")
-    assert cl.route(5120, 17408, 64, "nvfp4", SM)["grid"][1] == 3
-    assert cl.route(77, 64, 64, "nvfp4", SM)["grid"][1] == 1
+    assert cl.route(5120, 17408, 32, "nvfp4", SM)["grid"][1] == 3
+    assert cl.route(77, 64, 32, "nvfp4", SM)["grid"][1] == 1
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "99")
     with pytest.raises(KernelError, match=cl.MM_SPLITS_ENV):
-        cl.route(5120, 17408, 64, "nvfp4", SM)
+        cl.route(5120, 17408, 32, "nvfp4", SM)
 
 
 def test_gemm_switch_from_the_environment(monkeypatch):
@@ -326,21 +333,21 @@ def test_gemm_switch_from_the_environment(monkeypatch):
     monkeypatch.delenv(cl.MM_ENV)
     assert cl.mm_on()
     monkeypatch.setenv(cl.MM_ENV, "all")                      # benchmarks: also where the GEMV kernels won
-    assert cl.route(5120, 17408, 9, "fp8_row", SM)["kernel"] == "gemm_fp8row_n16"
+    assert cl.route(5120, 17408, 9, "fp8_row", SM)["kernel"] == "gemm_fp8row_n16_p4"
     monkeypatch.setenv(cl.MM_ENV, "yes")
     with pytest.raises(KernelError, match=cl.MM_ENV):
         cl.route(34816, 5120, 32, "nvfp4", SM)
 
 
 def test_gemm_where_it_was_measured_faster(monkeypatch):
-    """33..64 columns: every layer; 9..32: layers of >= MM_MIN_ROWS rows (fp8 from 17 columns); the 27B's
-    narrow layers (5120 rows) keep the GEMV kernels up to 32 columns."""
+    """nvfp4: every launch of 9..32 columns (33..64 in two); fp8: from 17 columns (up to 64 in one); fp8 at
+    9..16 keeps the GEMV kernels."""
     monkeypatch.setenv(cl.MM_ENV, "1")
     for kind in ("fp8_row", "fp8_block", "nvfp4"):
-        for T in (9, 16, 17, 32, 33, 64):
-            assert cl.route(5120, 17408, T, kind, SM)["kernel"].startswith("gemm_" if T > 32 else "gemv_")
-            wide = cl.route(34816, 5120, T, kind, SM, swiglu=True)["kernel"]
-            assert wide.startswith("gemm_" if (T > 16 or kind == "nvfp4") else "gemv_"), (kind, T, wide)
+        for O, I, swiglu in ((5120, 17408, False), (34816, 5120, True), (12288, 5120, False)):
+            for T in (9, 16, 17, 32, 33, 64):
+                k = cl.route(O, I, T, kind, SM, swiglu=swiglu)["kernel"]
+                assert k.startswith("gemm_" if (T > 16 or kind == "nvfp4") else "gemv_"), (kind, O, T, k)
 
 
 def test_gemm_shapes_from_the_environment(monkeypatch):
@@ -348,9 +355,12 @@ def test_gemm_shapes_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.MM_SHAPE_ENV, "m1")
     r = cl.route(34816, 5120, 16, "nvfp4", SM)
     assert r["kernel"] == "gemm_nvfp4_n16_m1" and r["rows_per_warp"] == 16 and r["grid"][0] == 34816 // 128
-    assert cl.route(34816, 5120, 40, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n64"      # no _m1 shape: the default
+    assert cl.route(34816, 5120, 40, "fp8_row", SM)["kernel"] == "gemm_fp8row_n64"   # no _m1 shape: the base one
     monkeypatch.setenv(cl.MM_SHAPE_ENV, "p4")
     assert cl.route(34816, 5120, 16, "fp8_row", SM)["kernel"] == "gemm_fp8row_n16_p4"
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, "base")
+    r = cl.route(5120, 17408, 16, "nvfp4", SM)
+    assert r["kernel"] == "gemm_nvfp4_n16" and r["rows_per_warp"] == 32
     monkeypatch.setenv(cl.MM_SHAPE_ENV, "wide")
     with pytest.raises(KernelError, match=cl.MM_SHAPE_ENV):
         cl.route(34816, 5120, 16, "nvfp4", SM)

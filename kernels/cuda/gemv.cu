@@ -1183,8 +1183,9 @@ __device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t
     }
 
 // (name, kind, column tiles NB, row tiles per warp MT, steps per iteration P, blocks per SM): <= 128
-// registers without spills for two blocks per SM; the 64-column nvfp4 / fp8blk kernels need more and run
-// one block per SM (sm_90a: 140 / 164 registers).
+// registers without spills for two blocks per SM; the 64-column fp8blk kernel needs more and runs one
+// block per SM (sm_90a: 164 registers). nvfp4 has no 64-column kernel: one (MT 1, P 1, 140 registers,
+// one block per SM) lost to two 32-column launches on every 27B layer (docs/perf.md, fifteenth session).
 GEMM_Q_KERNEL(gemm_fp8row_n16, KIND_FP8ROW, 2, 2, 2, 2)
 GEMM_Q_KERNEL(gemm_fp8blk_n16, KIND_FP8BLK, 2, 2, 2, 2)
 GEMM_Q_KERNEL(gemm_nvfp4_n16, KIND_NVFP4, 2, 2, 2, 2)
@@ -1193,7 +1194,6 @@ GEMM_Q_KERNEL(gemm_fp8blk_n32, KIND_FP8BLK, 4, 1, 2, 2)
 GEMM_Q_KERNEL(gemm_nvfp4_n32, KIND_NVFP4, 4, 2, 1, 2)
 GEMM_Q_KERNEL(gemm_fp8row_n64, KIND_FP8ROW, 8, 1, 1, 2)
 GEMM_Q_KERNEL(gemm_fp8blk_n64, KIND_FP8BLK, 8, 1, 1, 1)
-GEMM_Q_KERNEL(gemm_nvfp4_n64, KIND_NVFP4, 8, 1, 1, 1)
 // Other tile shapes, for comparisons (kernels/cuda_linear.py MM_SHAPE_ENV): one row tile per warp (_m1),
 // four steps per iteration (_p4: more weight bytes in flight per warp).
 GEMM_Q_KERNEL(gemm_fp8row_n16_m1, KIND_FP8ROW, 2, 1, 2, 2)
