@@ -2,7 +2,7 @@
 
 Few columns run the GEMV kernels of kernels/cuda/gemv.cu (weights dequantised in registers, each
 weight byte read once for all the columns of a launch): bf16 up to GEMV_COLUMNS["bf16"], quantised
-weights up to 64 (fp8) or 32 (nvfp4) columns (the tensor-core kernels take 32 per launch). More columns (prefill)
+weights up to 64 columns (GEMV or GEMM kernels, below). More columns (prefill)
 dequantise row slabs into a bf16 scratch with a kernel and call torch.matmul (cuBLAS). Everything
 launches on torch's current stream without host syncs, so it captures into CUDA graphs.
 
@@ -26,12 +26,14 @@ pipelined kernels' layer rule stopped at 4 columns (the default until the twelft
 C = 8 7.7% slower than auto, nvfp4 the same, docs/perf.md).
 scripts/bench/linear.py --variants times tc against pipelined.
 
-Quantised launches of 9..64 columns run the dequantising GEMM gemm_*_n16 / n32 / n64 (MM_ENV below; the
-default): blocks of 128 or 256 rows times every column, x staged once per block in the A fragments'
-order, I split over the grid's y axis with an fp32 workspace and a last-block reduction. With
-TANDEM_GEMV_MM=0 they run the GEMV kernels instead: gemv_*_tc16 / tc32, or gemv_*_xs16 / xs32 (the
-same arithmetic with x staged per block in shared memory) per TANDEM_GEMV_STAGED (STAGED_ENV below;
-default: nvfp4 at 17..32), 33..64 columns in two launches.
+Quantised launches of 9..64 columns run the dequantising GEMM gemm_*_n16 / n32 / n64 where it measured
+faster (MM_ENV, mm_wins: nvfp4 from 9 columns in launches of up to 32, fp8 from 17 in launches of up
+to 64): blocks of 128 or 256 rows times every column, x staged once per block in the A fragments'
+order, I split over the grid's y axis with an fp32 workspace and a last-block reduction. The other
+quantised launches of 9..32 columns (fp8 at 9..16; all of them with TANDEM_GEMV_MM=0) run the GEMV
+kernels gemv_*_tc16 / tc32, or gemv_*_xs16 / xs32 (the same arithmetic with x staged per block in
+shared memory) per TANDEM_GEMV_STAGED (STAGED_ENV below; default: nvfp4 at 17..32), 33..64 columns
+in two launches.
 
 The GEMV launches are programmatic dependent launches on sm_90+ (kernels/launch.py, pdl=True): a
 GEMV's blocks start streaming their first weights under the previous kernel's tail.
@@ -48,15 +50,13 @@ from . import launch as L
 from .quant import QuantWeight
 
 MAX_GEMV_COLUMNS = 16                  # columns per launch of the CUDA-core GEMV kernels
-# Per weight kind, the most columns routed to the GEMV kernels (in launches of up to 16 or 32
-# columns); beyond it bf16 goes to cuBLAS and quantised weights are dequantised in slabs for cuBLAS.
-# From scripts/bench/linear.py and decode.py on an H200 (docs/perf.md): the CUDA-core GEMV beats
-# cuBLAS for bf16 only at T <= 2 (it is FMA-bound beyond); a dequantised copy of a quantised weight
-# costs ~5x its bytes per step, so quantised weights stay on the (tensor-core) GEMV up to 64 columns
-# (two launches of 32), except nvfp4: from 16 columns its GEMV is bound by the decoding work, not the
-# bytes, and a second 32-column pass cost more than the dequantised copy (27B, fourteenth session: a
-# 64-token prefill step 47.6 against 58.0 ms of kernels, the C = 64 decode step 53.5-54.0 against 56.3
-# ms; fp8 at C = 64 61.5 against 57.9 ms, so fp8 keeps 64).
+# Per weight kind, the most columns routed to the GEMV / GEMM kernels (in launches of launch_columns());
+# beyond it bf16 goes to cuBLAS and quantised weights are dequantised in slabs for cuBLAS. From
+# scripts/bench/linear.py and decode.py on an H200 (docs/perf.md): the CUDA-core GEMV beats cuBLAS for
+# bf16 only at T <= 2 (it is FMA-bound beyond); quantised weights stay on their kernels up to 64 columns
+# (the dequantising GEMM from 9 / 17 columns: the 27B nvfp4 step at C = 64 40.7 ms against 53.5 through
+# dequantise + cuBLAS, fifteenth session). With the GEMM off (TANDEM_GEMV_MM=0) nvfp4 keeps the
+# fourteenth session's 32 (gemv_columns): two 32-column GEMV passes cost more than the dequantised copy.
 GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
 # A small bf16 weight (at most this many elements: the GDN a|b projections a quantised model keeps in
 # bf16, 96 x 5120 on the 27B) stays on the GEMV up to MAX_GEMV_COLUMNS: its few FMAs cost less than
