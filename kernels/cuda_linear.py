@@ -117,21 +117,33 @@ XS_KT = 256
 MM_ENV = "TANDEM_GEMV_MM"
 MM_SPLITS_ENV = "TANDEM_GEMM_SPLITS"   # benchmarks: every GEMM launch's slice count (1..32, capped as usual)
 MM_MAX_COLUMNS = 64
-# name -> (kind, column tiles, row tiles per warp, steps per iteration, blocks per SM); as gemv.cu's
-# GEMM_Q_KERNEL lines. The route's kernel per (kind, column tiles) is _MM_DEFAULT; MM_SHAPE_ENV
-# (benchmarks) picks the _m1 / _p4 shapes where they exist.
+# name -> (kind, column tiles, row tiles per warp, steps per iteration, blocks per SM, ring stages); as
+# gemv.cu's GEMM_Q_KERNEL / GEMM_Q_RING_KERNEL lines. The route's kernel per (kind, column tiles) and
+# layer is _route_mm's; MM_SHAPE_ENV (benchmarks) picks the _m1 / _p4 / _r shapes where they exist.
 _MM_KERNELS = {}
 for _kind, _tag in (("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")):
     for _nb, _mt, _p, _per_sm in ((2, 2, 2, 2), (4, 1 if _kind == "fp8_block" else 2, 1 if _kind == "nvfp4" else 2, 2),
                                   (8, 1, 1, 2 if _kind == "fp8_row" else 1)):
         if not (_nb == 8 and _kind == "nvfp4"):          # nvfp4 launches take 32 columns (launch_columns)
-            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}"] = (_kind, _nb, _mt, _p, _per_sm)
+            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}"] = (_kind, _nb, _mt, _p, _per_sm, 0)
     for _nb in (2, 4):
         if not (_nb == 4 and _kind == "fp8_block"):
-            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_m1"] = (_kind, _nb, 1, 2, 2)
+            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_m1"] = (_kind, _nb, 1, 2, 2, 0)
         if not (_nb == 4 and _kind == "nvfp4"):
-            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_p4"] = (_kind, _nb, 1, 4, 2)
-MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # benchmarks: "base", "m1" or "p4" everywhere (default "auto": _route_mm)
+            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_p4"] = (_kind, _nb, 1, 4, 2, 0)
+        _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_r"] = (_kind, _nb, 1, 2, 2, 3)
+_MM_KERNELS["gemm_fp8row_n64_r"] = ("fp8_row", 8, 1, 1, 2, 4)
+_mm_smem_set: set[tuple[str, int]] = set()
+
+
+def mm_ring_bytes(name: str) -> int:
+    """Dynamic shared memory of a GEMM kernel: its weight ring (D stages x P steps x MT tiles x 2 rows x
+    256 threads x 16 bytes, + 4 bytes per slot for nvfp4's scale words); 0 without one."""
+    kind, _, mt, p, _, d = _MM_KERNELS[name]
+    return d * p * mt * 2 * 256 * (20 if kind == "nvfp4" else 16)
+
+
+MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # benchmarks: "base", "m1", "p4" or "r" everywhere (default "auto": _route_mm)
 MM_WS_FLOATS = 1 << 22                 # 16 MiB of fp32 partials per device
 MM_COUNTERS = 1 << 13
 MM_MIN_ITERATIONS = 4                  # a slice covers at least this many iterations of P steps
@@ -355,21 +367,23 @@ def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     nb = 2 if T <= 16 else 4 if T <= 32 else 8
     name = f"gemm_{_KIND_TAG[kind]}_n{8 * nb}"
     shape = os.environ.get(MM_SHAPE_ENV) or "auto"
-    if shape not in ("auto", "base", "m1", "p4"):
-        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected auto, base, m1 or p4")
+    if shape not in ("auto", "base", "m1", "p4", "r"):
+        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected auto, base, m1, p4 or r")
+    if shape == "r" and kind == "nvfp4" and I % 64:                   # the ring's 4-byte scale words
+        shape = "auto"
     if shape == "auto":                               # measured (linear.py, fifteenth session): the base shape
         wide = O >= MM_WIDE_ROWS                      # on 27B gate|up, _m1 (nvfp4) / _p4 (fp8) on the others
         shape = "base" if wide else ("m1" if kind == "nvfp4" else "p4")
     if shape != "base" and f"{name}_{shape}" in _MM_KERNELS:
         name = f"{name}_{shape}"
-    _, _, mt, p, per_sm = _MM_KERNELS[name]
+    _, _, mt, p, per_sm, _ = _MM_KERNELS[name]
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     bm = -(-tiles // (WARPS * mt))
     steps = -(-(I // _EPC[kind]) // 4)
     S = _mm_splits(bm, -(-steps // p), per_sm * sm_count, mt * nb * 4 * 32 * WARPS)
     return {"path": "gemv", "kind": kind, "kernel": name, "nt": 8 * nb, "ks": S,
             "units": tiles, "rows_per_warp": 16 * mt, "block": (32 * WARPS,), "grid": (bm, S), "T": T,
-            "mm": True}
+            "mm": True, "smem": mm_ring_bytes(name)}
 
 
 def _mm_splits(bm: int, iterations: int, slots: int, floats_per_block: int) -> int:
@@ -505,7 +519,14 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
             if bufs is None:
                 grid = (grid[0], 1)
             args += list(bufs) if bufs is not None else [None, None]
-        L.launch(L.kernel("gemv", r["kernel"], d), grid, r["block"], tuple(args),
+        fn = L.kernel("gemv", r["kernel"], d)
+        smem = r.get("smem", 0)
+        if smem > 48 * 1024 and (r["kernel"], d) not in _mm_smem_set:   # opt in above 48 KiB, once
+            import cupy
+            with cupy.cuda.Device(d):
+                fn.max_dynamic_shared_size_bytes = smem
+            _mm_smem_set.add((r["kernel"], d))
+        L.launch(fn, grid, r["block"], tuple(args), shared_mem=smem,
                  device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)
     return out
 

@@ -586,7 +586,7 @@ def _gemm_vs_reference(kind, w, wf, O, I, T, seed, mode):
 
 @pytest.mark.parametrize("kind", PIPE_KINDS)
 @pytest.mark.parametrize("O,I", GEMM_SHAPES)
-@pytest.mark.parametrize("shape", ("base", "m1", "p4"))
+@pytest.mark.parametrize("shape", ("base", "m1", "p4", "r"))
 def test_gemm_every_slice_count(kind, O, I, shape, seed, monkeypatch):
     """1, 3 and 7 slices of I (capped by the row length) and the route's own choice, each column tile
     width and tile shape (MM_SHAPE_ENV), every epilogue: each against the reference, and 3 slices'
@@ -625,13 +625,16 @@ def test_gemm_agrees_with_the_gemv_kernels(kind, seed, monkeypatch):
         assert rel(a, b) <= 4e-3, (O, I, T, rel(a, b))
 
 
-def test_gemm_graph_replays(seed, monkeypatch):
+@pytest.mark.parametrize("shape", ("auto", "r"))
+def test_gemm_graph_replays(shape, seed, monkeypatch):
     """Two sliced GEMMs in one captured graph, replayed 200 times over fresh inputs: every replay equals
-    the eager launch bit for bit (the counters are reset by each row tile's last block, not the host)."""
+    the eager launch bit for bit (the counters are reset by each row tile's last block, not the host);
+    with the route's shapes and with the weight-ring ones (dynamic shared memory)."""
     from kernels import cuda_linear as cl
     from kernels.cuda_linear import linear, linear_swiglu
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "5")
     monkeypatch.setenv(cl.MM_ENV, "all")
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, shape)
     w, _ = _weight("nvfp4", 5120, 17408, seed)
     wg, _ = _weight("fp8_block", 2048, 5120, seed + 1)
     x = _x(24, 17408, seed)

@@ -361,6 +361,12 @@ def test_gemm_shapes_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.MM_SHAPE_ENV, "base")
     r = cl.route(5120, 17408, 16, "nvfp4", SM)
     assert r["kernel"] == "gemm_nvfp4_n16" and r["rows_per_warp"] == 32
+    monkeypatch.setenv(cl.MM_SHAPE_ENV, "r")                   # the weight ring: dynamic shared memory
+    r = cl.route(5120, 17408, 32, "nvfp4", SM)
+    assert r["kernel"] == "gemm_nvfp4_n32_r" and r["smem"] == 3 * 2 * 2 * 256 * 20
+    assert cl.route(5120, 5120 + 32, 32, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n32_m1"   # I % 64: no ring
+    assert cl.route(5120, 17408, 64, "fp8_row", SM)["smem"] == 4 * 2 * 256 * 16
+    assert cl.route(5120, 17408, 64, "fp8_block", SM)["kernel"] == "gemm_fp8blk_n64"
     monkeypatch.setenv(cl.MM_SHAPE_ENV, "wide")
     with pytest.raises(KernelError, match=cl.MM_SHAPE_ENV):
         cl.route(34816, 5120, 16, "nvfp4", SM)

@@ -1021,7 +1021,7 @@ __device__ __forceinline__ void mm_step(const uint4 (&wv)[MT][2], const unsigned
 
 #define GEMM_ARGS GEMV_ARGS, float* __restrict__ ws, int* __restrict__ counters
 // ks (GEMV_ARGS) is unused: the I-split is gridDim.y.
-template <int KIND, int NB, int MT, int P>
+template <int KIND, int NB, int MT, int P, int D>
 __device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
                                             const u8_t* __restrict__ w, const void* __restrict__ scale,
                                             const float* __restrict__ gscale, const bf16_t* residual,
@@ -1063,8 +1063,40 @@ __device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t
             bs[mt][r] = (const float*)scale + (i64_t)(row >> 7) * sb;
         }
 
-    uint4 wv[P][MT][2];
-    unsigned sv[P][MT][2];
+    uint4 wv[D > 0 ? 1 : P][MT][2];
+    unsigned sv[D > 0 ? 1 : P][MT][2];
+    // D > 0: each thread's weight chunks (and nvfp4 scale words) of iteration j go to stage j % D of a
+    // per-thread ring in dynamic shared memory, D - 1 iterations ahead (cp.async); only the thread
+    // that copies a slot reads it, so the ring needs no barrier. Word w = t / 2 of a step's scales
+    // holds chunks 4q + 2w, 4q + 2w + 1 (I % 64 == 0: 4-byte aligned, C even).
+    extern __shared__ uint4 mm_ring[];
+    constexpr int RSLOTS = P * MT * 2;                                // 16-byte slots per thread per stage
+    constexpr int DR = D > 0 ? D : 1;                                 // (the register path instantiates the lambdas too)
+    auto ring_w = [&](int stage, int p, int mt, int r) {
+        return smem_u32(&mm_ring[((stage * RSLOTS + (p * MT + mt) * 2 + r) << 8) + tid]);
+    };
+    auto ring_s = [&](int stage, int p, int mt, int r) {
+        return smem_u32((const unsigned*)&mm_ring[(D * RSLOTS) << 8] + ((stage * RSLOTS + (p * MT + mt) * 2 + r) << 8) + tid);
+    };
+    auto issue_w = [&](int j) {
+        const int stage = j % DR;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int q = q0 + j * P + p;
+            if (q >= q1) break;
+            const int c = 4 * q + t < C ? 4 * q + t : 4 * q;
+            const bool sw = 4 * q + 2 * (t >> 1) < C;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    cp_async16(ring_w(stage, p, mt, r), wrow[mt][r] + (i64_t)c * 16, 16u);
+                    if (KIND == KIND_NVFP4)
+                        cp_async4(ring_s(stage, p, mt, r), sw ? (const void*)(srow[mt][r] + (i64_t)q * 8 + 4 * (t >> 1)) : scale,
+                                  sw ? 4u : 0u);
+                }
+        }
+    };
     auto load_w = [&](int p, int j) {                                 // step q0 + j P + p: chunk 4q + t (4q past the row end)
         const int q = q0 + j * P + p;
         if (q >= q1) return;
@@ -1106,15 +1138,27 @@ __device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nb][i] = 0.f;
 
+    if constexpr (D > 0) {                                            // weights only: before the wait
+        for (int s = 0; s < D - 1; ++s) {
+            if (s < J) issue_w(s);
+            cp_async_commit();
+        }
+    } else {
 #pragma unroll
-    for (int p = 0; p < P; ++p)
-        if (J > 0) load_w(p, 0);                                      // weights only: before the wait
+        for (int p = 0; p < P; ++p)
+            if (J > 0) load_w(p, 0);
+    }
     pdl_wait();
     if (J > 0) { load_x(0); store_x(0); }
     __syncthreads();
     for (int j = 0; j < J; ++j) {
         const bool more = j + 1 < J;                                  // block-uniform
+        if constexpr (D > 0) {                                        // one group per iteration, maybe empty
+            if (j + D - 1 < J) issue_w(j + D - 1);
+            cp_async_commit();
+        }
         if (more) load_x(j + 1);
+        if constexpr (D > 0) cp_async_wait<D - 1>();                  // this thread's copies of iteration j
         const uint4* xb = &xs[j & 1][g * ROWU + t];
 #pragma unroll
         for (int p = 0; p < P; ++p) {
@@ -1125,13 +1169,32 @@ __device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) sc[mt][r] = KIND == KIND_FP8BLK ? __ldg(bs[mt][r] + (q >> 1)) : 1.f;
-                mm_step<KIND, NB, MT, ROWU>(wv[p], sv[p], xb + p * 4 * WD, sc, acc);
+                if constexpr (D > 0) {
+                    const int stage = j % DR;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            wv[0][mt][r] = mm_ring[((stage * RSLOTS + (p * MT + mt) * 2 + r) << 8) + tid];
+                            if (KIND == KIND_NVFP4) {
+                                const unsigned word = ((const unsigned*)&mm_ring[(D * RSLOTS) << 8])
+                                    [((stage * RSLOTS + (p * MT + mt) * 2 + r) << 8) + tid];
+                                sv[0][mt][r] = (t & 1) ? word >> 16 : word & 0xffffu;
+                            }
+                        }
+                    mm_step<KIND, NB, MT, ROWU>(wv[0], sv[0], xb + p * 4 * WD, sc, acc);
+                } else {
+                    mm_step<KIND, NB, MT, ROWU>(wv[p], sv[p], xb + p * 4 * WD, sc, acc);
+                }
             }
-            if (more) load_w(p, j + 1);
+            if constexpr (D == 0) {
+                if (more) load_w(p, j + 1);
+            }
         }
         if (more) store_x((j + 1) & 1);
         __syncthreads();
     }
+    if constexpr (D > 0) cp_async_wait<0>();                          // only empty groups remain
 
     if (S > 1) {                                                      // slice partials, then the last block sums them
         const int per_warp = MT * NB * 4 * 32;
@@ -1175,10 +1238,11 @@ __device__ __forceinline__ void gemm_q_body(bf16_t* __restrict__ y, const bf16_t
     }
 }
 
-#define GEMM_Q_KERNEL(name, KIND, NB, MT, P, MINB)                            \
+#define GEMM_Q_KERNEL(name, KIND, NB, MT, P, MINB) GEMM_Q_RING_KERNEL(name, KIND, NB, MT, P, MINB, 0)
+#define GEMM_Q_RING_KERNEL(name, KIND, NB, MT, P, MINB, D)                     \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(GEMM_ARGS) {  \
         pdl_trigger();                                                        \
-        gemm_q_body<KIND, NB, MT, P>(y, x, w, scale, gscale, residual, O, I, T, mode, F, sb, \
+        gemm_q_body<KIND, NB, MT, P, D>(y, x, w, scale, gscale, residual, O, I, T, mode, F, sb, \
                                   Split{y1, y2, y3, o1, o2, o3}, ws, counters); \
     }
 
@@ -1206,6 +1270,15 @@ GEMM_Q_KERNEL(gemm_fp8blk_n16_p4, KIND_FP8BLK, 2, 1, 4, 2)
 GEMM_Q_KERNEL(gemm_nvfp4_n16_p4, KIND_NVFP4, 2, 1, 4, 2)
 GEMM_Q_KERNEL(gemm_fp8row_n32_p4, KIND_FP8ROW, 4, 1, 4, 2)
 GEMM_Q_KERNEL(gemm_fp8blk_n32_p4, KIND_FP8BLK, 4, 1, 4, 2)
+// The weights through a ring of D iterations in dynamic shared memory (_r; kernels/cuda_linear.py sizes
+// it: D P MT 2 x 256 x (16 + 4 for nvfp4's scale words) bytes; nvfp4 needs I % 64 == 0).
+GEMM_Q_RING_KERNEL(gemm_fp8row_n16_r, KIND_FP8ROW, 2, 1, 2, 2, 3)
+GEMM_Q_RING_KERNEL(gemm_fp8blk_n16_r, KIND_FP8BLK, 2, 1, 2, 2, 3)
+GEMM_Q_RING_KERNEL(gemm_nvfp4_n16_r, KIND_NVFP4, 2, 1, 2, 2, 3)
+GEMM_Q_RING_KERNEL(gemm_fp8row_n32_r, KIND_FP8ROW, 4, 1, 2, 2, 3)
+GEMM_Q_RING_KERNEL(gemm_fp8blk_n32_r, KIND_FP8BLK, 4, 1, 2, 2, 3)
+GEMM_Q_RING_KERNEL(gemm_nvfp4_n32_r, KIND_NVFP4, 4, 1, 2, 2, 3)
+GEMM_Q_RING_KERNEL(gemm_fp8row_n64_r, KIND_FP8ROW, 8, 1, 1, 2, 4)
 
 // ------------------------------------------------------------------------------------------------
 // Pipelined tensor-core decode GEMV for quantised weights, T <= 8 columns (one column tile of 8):
