@@ -521,7 +521,7 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
             args += list(bufs) if bufs is not None else [None, None]
         fn = L.kernel("gemv", r["kernel"], d)
         smem = r.get("smem", 0)
-        if smem > 48 * 1024 and (r["kernel"], d) not in _mm_smem_set:   # opt in above 48 KiB, once
+        if smem and (r["kernel"], d) not in _mm_smem_set:   # opt in once: static + dynamic may pass 48 KiB
             import cupy
             with cupy.cuda.Device(d):
                 fn.max_dynamic_shared_size_bytes = smem
