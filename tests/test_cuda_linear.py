@@ -181,6 +181,21 @@ def test_dequantize_bit_exact(kind, O, I, seed):
     assert torch.equal(got.view(torch.int16), w.dequantize().view(torch.int16))
 
 
+def _captured(program):
+    """program() run once eagerly (compiles, allocates the GEMM workspace, warms up), then captured into a
+    CUDA graph on a side stream, which is returned."""
+    program()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            program()
+    torch.cuda.current_stream().wait_stream(s)
+    return g
+
+
 def test_cuda_graph_capture(seed, variant):
     from kernels.cuda_linear import linear, linear_swiglu
     w, wf = _weight("nvfp4", 1024, 2048, seed)
@@ -188,17 +203,7 @@ def test_cuda_graph_capture(seed, variant):
     x = _x(3, 2048, seed)
     out = torch.empty(3, 1024, dtype=torch.bfloat16, device="cuda")
     out2 = torch.empty(3, 256, dtype=torch.bfloat16, device="cuda")
-    linear(x, w, out=out)                                  # compile + warm up outside the capture
-    linear_swiglu(x, wg, out=out2)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            linear(x, w, out=out)
-            linear_swiglu(x, wg, out=out2)
-    torch.cuda.current_stream().wait_stream(s)
+    g = _captured(lambda: (linear(x, w, out=out), linear_swiglu(x, wg, out=out2)))
     x.copy_(_x(3, 2048, seed + 9))
     out.fill_(float("nan"))
     out2.fill_(float("nan"))
@@ -641,17 +646,7 @@ def test_gemm_graph_replays(shape, seed, monkeypatch):
     x2 = _x(24, 5120, seed + 2)
     out = torch.empty(24, 5120, dtype=torch.bfloat16, device="cuda")
     out2 = torch.empty(24, 1024, dtype=torch.bfloat16, device="cuda")
-    linear(x, w, out=out)                                  # compile, workspace, warm up outside the capture
-    linear_swiglu(x2, wg, out=out2)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            linear(x, w, out=out)
-            linear_swiglu(x2, wg, out=out2)
-    torch.cuda.current_stream().wait_stream(s)
+    g = _captured(lambda: (linear(x, w, out=out), linear_swiglu(x2, wg, out=out2)))
     for i in range(200):
         if i % 20 == 0:
             x.copy_(_x(24, 17408, seed + 10 + i))

@@ -281,13 +281,17 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed, 
             pos[b] += columns
     want, want16 = _forced_references(ref, ref16, seqs, routing, name)
     # with the references on the CUDA model's experts, MoE logits are as continuous as dense ones
-    prefill, decode = Agreement(f"{name} prefill"), Agreement(f"{name} T={columns}")
+    _check_prefill_and_decode(outs, want, want16, f"{name} prefill", f"{name} T={columns}")
+
+
+def _check_prefill_and_decode(outs, want, want16, prefill_name, decode_name):
+    """outs: (prefill?, sequence, first position, logits rows, where); each row against the references'
+    rows of that sequence, prefill and decode rows as two Agreements; some position must have been clear."""
+    prefill, decode = Agreement(prefill_name), Agreement(decode_name)
     for is_prefill, b, at, rows, where in outs:
         n = rows.shape[0]
         (prefill if is_prefill else decode).add(rows, want[b][at:at + n], want16[b][at:at + n], where)
-    clear = prefill.check()
-    clear += decode.check()
-    assert clear > 0, "no position with a clear top-2 margin: the test checked no argmax"
+    assert prefill.check() + decode.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4"])
@@ -324,11 +328,7 @@ def test_quantised_teacher_forced_logits_match_the_float32_reference(name, fmt, 
                              f"{name} {fmt} seq {b} at {pos[b]}"))
                 pos[b] += columns
     want, want16 = _forced_references(ref, ref16, seqs, None, name)
-    prefill, decode = Agreement(f"{name} {fmt} prefill"), Agreement(f"{name} {fmt} decode")
-    for is_prefill, b, at, rows, where in outs:
-        n = rows.shape[0]
-        (prefill if is_prefill else decode).add(rows, want[b][at:at + n], want16[b][at:at + n], where)
-    assert prefill.check() + decode.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
+    _check_prefill_and_decode(outs, want, want16, f"{name} {fmt} prefill", f"{name} {fmt} decode")
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe-folded", "small"])
