@@ -1,7 +1,8 @@
 """POST /v1/completions: OpenAI (legacy) Completions (api.md §2). No template, no parsing.
 
-prompt: a string, a list of token ids, or a one-element list of either (batches of several prompts
-are refused: send one request per prompt). max_tokens defaults to 16 as OpenAI's does. `echo`
+prompt: a string, a list of token ids, or a list of either: a batch, each prompt with its n choices
+(choice index k n + j for prompt k; at most 128 choices in all; usage counts every prompt once).
+max_tokens defaults to 16 as OpenAI's does. `echo`
 prepends the prompt text (streaming: in the first chunk). Stream chunks and the final object are
 `text_completion` objects with one cmpl- id; usage chunk with stream_options.include_usage; `[DONE]`.
 n (1..128) choices as in chat completions (best_of only equal to n: choices are not ranked). Refused with
@@ -16,6 +17,7 @@ waits for the prefill and carries them. text_offset counts from the start of the
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any
 
@@ -43,40 +45,47 @@ def routes(service: Service) -> list[Route]:
     return [Route("/v1/completions", endpoint, methods=["POST"])]
 
 
-def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        inner = value[0]                                   # ["text"] or [[ids]]
-        if isinstance(inner, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in inner):
-            raise P.bad("invalid type for 'prompt[0]': expected a list of token ids (integers)", "prompt[0]")
-        value = inner
+def _prompts(value: Any) -> list[str | list[int]]:
+    """The request's prompts: a string, a list of token ids, or a list of either (a batch: each prompt
+    becomes n choices, in order)."""
     if isinstance(value, str):
-        return value
+        return [value]
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):     # a batch (by its first item)
+        for i, v in enumerate(value):
+            if isinstance(v, list):
+                _token_ids(v, f"prompt[{i}]")
+            elif not isinstance(v, str):
+                raise P.bad(f"invalid type for 'prompt[{i}]': expected a string or a list of token ids "
+                            "(a batch of prompts)", f"prompt[{i}]")
+        return list(value)
     if isinstance(value, list):
-        if value and all(isinstance(v, str) for v in value):
-            raise P.bad("batched prompts (a list of several strings) are not supported; send one request per "
-                        "prompt", "prompt")
-        if value and all(isinstance(v, list) for v in value):
-            raise P.bad("batched prompts (several token lists) are not supported; send one request per prompt",
-                        "prompt")
-        for i, t in enumerate(value):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise P.bad(f"invalid type for 'prompt[{i}]': expected a token id (integer)", f"prompt[{i}]")
-        if not value:
-            raise P.bad("'prompt' must not be empty", "prompt")
-        return value
+        return [_token_ids(value, "prompt")]
     if value is None:
         raise P.bad("you must provide 'prompt'", "prompt")
-    raise P.bad("invalid type for 'prompt': expected a string, an array of strings or token ids", "prompt")
+    raise P.bad("invalid type for 'prompt': expected a string, an array of strings, token ids or arrays of "
+                "token ids", "prompt")
 
 
-def parse(body: dict[str, Any]) -> tuple[TextRequest, bool, int]:
-    """-> (request, include_usage, n)."""
+def _token_ids(value: list, field: str) -> list[int]:
+    if not value:
+        raise P.bad(f"'{field}' must not be empty", field)
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise P.bad(f"invalid type for '{field}[{i}]': expected a token id (integer)", f"{field}[{i}]")
+    return value
+
+
+def parse(body: dict[str, Any]) -> tuple[list[TextRequest], bool, int]:
+    """-> (one request per prompt, include_usage, n)."""
     f = P.Fields(body)
     model = f.string("model", required=True)
-    prompt = _prompt(body.get("prompt"))
+    prompts = _prompts(body.get("prompt"))
     stream = bool(f.boolean("stream"))
     include_usage = stream_options(f, stream)
     n = choices_field(f)
+    if len(prompts) * n > choices.MAX_CHOICES:
+        raise P.bad(f"{len(prompts)} prompts x n = {n} make {len(prompts) * n} choices; at most "
+                    f"{choices.MAX_CHOICES} per request", "prompt")
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = bool(f.boolean("echo"))
     best_of = f.integer("best_of", lo=1, hi=choices.MAX_CHOICES)
@@ -89,10 +98,12 @@ def parse(body: dict[str, Any]) -> tuple[TextRequest, bool, int]:
     sampling = sampling_fields(f)
     sampling.logprobs = logprobs
     sampling.prompt_logprobs = logprobs if echo else None      # echo + logprobs: the prompt's tokens too
-    req = TextRequest(prompt=prompt, max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-                      stop=f.stop("stop"), sampling=sampling, echo=echo, model=model,
-                      api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
-    return req, include_usage, n
+    stop = f.stop("stop")
+    reqs = [TextRequest(prompt=p, max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                        stop=stop, sampling=dataclasses.replace(sampling), echo=echo, model=model,
+                        api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
+            for p in prompts]
+    return reqs, include_usage, n
 
 
 def logprobs_object(entries: list | None, offset: int) -> tuple[dict | None, int]:
@@ -125,27 +136,39 @@ def _usage(usage: dict[str, int]) -> dict[str, int]:
 
 async def completions(service: Service, request: Request) -> Response:
     body = await P.read_json(request)
-    req, include_usage, n = parse(body)
-    prepared = service.prepare(req)
-    preps = choices.copies(prepared, n)
+    reqs, include_usage, n = parse(body)
+    preps: list[Prepared] = []
+    echoes: list[str] = []
+    for req in reqs:                                       # a batch: prompt k's choices are k n .. k n + n - 1
+        prepared = service.prepare(req)
+        preps += choices.copies(prepared, n)
+        echoes += [_echo_text(service, prepared) if req.echo else ""] * n
     choices.submit_all(service, preps)
     cid = "cmpl-" + secrets.token_hex(12)
-    echo = _echo_text(service, prepared) if req.echo else ""
-    if req.stream:
-        return Guarded(sse.sse_response(_stream(service, preps, cid, echo, include_usage)),
+    if reqs[0].stream:
+        return Guarded(sse.sse_response(_stream(service, preps, cid, echoes, include_usage, n)),
                        lambda: choices.release_all(service, preps))
     try:
         results = await until_disconnect(request.receive, choices.complete_all(service, preps))
     finally:
         choices.release_all(service, preps)
+    prepared = preps[0]
     return JSONResponse({
         "id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model,
         "system_fingerprint": None,
-        "choices": [{"text": echo + (r.content or ""), "index": i,
+        "choices": [{"text": echoes[i] + (r.content or ""), "index": i,
                      "logprobs": logprobs_object(None if r.logprobs is None else (r.prompt_logprobs or []) + r.logprobs,
-                                                 0 if r.prompt_logprobs is not None else len(echo))[0],
+                                                 0 if r.prompt_logprobs is not None else len(echoes[i]))[0],
                      "finish_reason": r.finish.finish_reason} for i, r in enumerate(results)],
-        "usage": _usage(choices.total_usage([r.finish.usage for r in results]))})
+        "usage": _usage(_batch_usage([r.finish.usage for r in results], n))})
+
+
+def _batch_usage(usages: list[dict], n: int) -> dict:
+    """Usage of a batch of prompts with n choices each: every prompt once, every choice's completion."""
+    groups = [choices.total_usage(usages[k:k + n]) for k in range(0, len(usages), n)]
+    prompt = sum(g["prompt_tokens"] for g in groups)
+    completion = sum(g["completion_tokens"] for g in groups)
+    return {**groups[0], "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _echo_text(service: Service, prepared: Prepared) -> str:
@@ -154,12 +177,13 @@ def _echo_text(service: Service, prepared: Prepared) -> str:
     return service.tokenizer.decode(prepared.prompt_ids)
 
 
-async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, include_usage: bool):
+async def _stream(service: Service, preps: list[Prepared], cid: str, echoes: list[str], include_usage: bool,
+                  n: int):
     prepared = preps[0]
     base = {"id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model}
     pending: list[list] = [[] for _ in preps]     # per choice: logprob entries that ride on its next chunk
     held = prepared.request.sampling.prompt_logprobs is not None    # echo + logprobs: echo with the prompt's
-    offsets = [0 if held else len(echo)] * len(preps)              # text_offset: from the prompt's tokens, or after it
+    offsets = [0 if held else len(e) for e in echoes]              # text_offset: from the prompt's tokens, or after it
     usages: list = [None] * len(preps)
 
     def chunk(i: int, text: str, finish: str | None = None) -> bytes:
@@ -170,14 +194,15 @@ async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, 
         return sse.event({**base, "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": finish}],
                           "usage": None})
 
-    if echo and not held:
-        for i in range(len(preps)):
-            yield chunk(i, echo)
+    if not held:
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk(i, echo)
     try:
         async for i, d in choices.merged(service, preps):
             if isinstance(d, PromptLogprobs):                          # the echo chunk, now with its logprobs
                 pending[i] += d.entries
-                yield chunk(i, echo)
+                yield chunk(i, echoes[i])
             elif isinstance(d, TokenLogprobs):
                 pending[i] += d.entries
             elif isinstance(d, ContentDelta):
@@ -186,7 +211,7 @@ async def _stream(service: Service, preps: list[Prepared], cid: str, echo: str, 
                 yield chunk(i, "", d.finish_reason)
                 usages[i] = d.usage
         if include_usage:
-            yield sse.event({**base, "choices": [], "usage": _usage(choices.total_usage(usages))})
+            yield sse.event({**base, "choices": [], "usage": _usage(_batch_usage(usages, n))})
     except APIError as e:
         yield sse.event(openai_error_body(e))
         return

@@ -147,10 +147,10 @@ BAD_CHAT = [
 BAD_COMPLETIONS = [
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": 5}, "prompt"),
-    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
-    ({"model": "tiny", "prompt": [1, "x"]}, "prompt[1]"),
-    ({"model": "tiny", "prompt": [["a"]]}, "prompt[0]"),
-    ({"model": "tiny", "prompt": [[1, True]]}, "prompt[0]"),
+    ({"model": "tiny", "prompt": ["a", 5]}, "prompt[1]"),         # a batch (first item a string)
+    ({"model": "tiny", "prompt": [1, "x"]}, "prompt[1]"),         # token ids (first item an integer)
+    ({"model": "tiny", "prompt": [["a"]]}, "prompt[0][0]"),
+    ({"model": "tiny", "prompt": [[1, True]]}, "prompt[0][1]"),
     ({"model": "tiny", "prompt": [1, 2**40]}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),

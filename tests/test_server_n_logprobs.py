@@ -254,3 +254,47 @@ def test_leaving_an_n_stream_cancels_every_choice(real):
         time.sleep(0.05)
     st = real.engine.stats()
     assert (st["running"], st["waiting"], st["slots_used"]) == (0, 0, 0), st
+
+
+def test_completions_batch_of_prompts_is_each_prompt_alone(real):
+    """prompt: a list (strings or token lists): prompt k's n choices are indices k n .. k n + n - 1, each
+    the seeded single request of its prompt; streamed the same; usage counts every prompt once."""
+    prompts = ["Once upon a time", "The capital of"]
+    kw = dict(model="tiny", max_tokens=6, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    r = real.client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    prompt_tokens = completion_tokens = 0
+    for k, p in enumerate(prompts):
+        for j in range(2):
+            alone = real.client.completions.create(prompt=p, **{**kw, "seed": 11 + j})
+            assert r.choices[2 * k + j].text == alone.choices[0].text, (k, j)
+        prompt_tokens += alone.usage.prompt_tokens
+        completion_tokens += 2 * alone.usage.completion_tokens
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, completion_tokens)
+    assert r.usage.total_tokens == prompt_tokens + completion_tokens
+    text = {i: "" for i in range(4)}
+    usage = None
+    for c in real.client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                            **kw):
+        for ch in c.choices:
+            text[ch.index] += ch.text
+        usage = c.usage or usage
+    assert [text[i] for i in range(4)] == [c.text for c in r.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, completion_tokens)
+    # token-id prompts, echoed: each choice starts with its own prompt
+    ids = [real.tok.encode(p) for p in prompts]
+    e = real.client.completions.create(prompt=ids, echo=True, **kw)
+    for k, p in enumerate(prompts):
+        assert e.choices[k].text.startswith(real.tok.decode(ids[k]))
+
+
+def test_bad_batches_of_prompts_are_400_and_name_the_field(real):
+    with httpx.Client(base_url=real.url, timeout=60) as http:
+        for prompt, field in (([], "prompt"), ([[1, 2], []], "prompt[1]"), ([[1, "x"]], "prompt[0][1]"),
+                              (["a", 3], "prompt[1]"), ([3, "a"], "prompt[1]"), (["a"] * 65, "prompt")):
+            resp = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                      "n": 2 if len(prompt) == 65 else 1})
+            assert resp.status_code == 400, (prompt[:3], resp.text)
+            assert resp.json()["error"]["param"] == field, (prompt[:3], resp.json())
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
