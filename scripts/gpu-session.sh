@@ -32,6 +32,9 @@
 #   scripts/gpu-session.sh ncu OUT       one GPU: Nsight Compute on the decode GEMV of the 27B's widest and
 #                                        deepest layers (gate|up, down), bf16 / fp8 / nvfp4, T = 1 and 8, at the
 #                                        timing runs' clocks; the key metrics per kernel last
+#   scripts/gpu-session.sh gemm OUT      one GPU, ~8 min: the dequantising GEMM's tests (the weight ring among them),
+#                                        linear.py per layer with the route's shapes and with the ring, the 27B step
+#                                        at C = 16 / 32 / 64 (route, ring, GEMV), 27B nvfp4 speculation rounds
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
@@ -47,7 +50,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -115,6 +118,24 @@ case "$PART" in
         --new-tokens 48 --device-feed --out "$OUT/engine-feed.json" > "$OUT/engine-feed.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/feed-tests.txt" | cut -c1-200 | tail -12
     echo "== engine-feed"; grep -E "tp [12] " "$OUT/engine-feed.txt" | cut -c1-280 ;;
+  gemm)
+    # the dequantising GEMM's open questions (fifteenth session): the weight ring (fp8 ring launches
+    # unverified), the ring per layer, the step with and without it, and quantised speculation rounds
+    timeout 120 scripts/gpu-tests.sh "$OUT/gemm-tests" tests/test_cuda_linear.py -m "gpu and not slow" -k "gemm" \
+        --tb=short > "$OUT/gemm-tests.txt" 2>&1
+    for sh in auto r; do
+      TANDEM_GEMV_MM=all TANDEM_GEMM_SHAPE=$sh timeout 40 python $B/linear.py --layers q_proj o_proj gate_up down \
+          --kinds nvfp4 fp8_row --columns 16 32 64 --out "$OUT/gemm-linear-$sh.json" > "$OUT/gemm-linear-$sh.txt" 2>&1
+    done
+    timeout 150 python $B/decode.py --model 27b --weights nvfp4 fp8 --concurrency 16 32 64 --steps 6 \
+        --variant ring:TANDEM_GEMM_SHAPE=r --variant gemv:TANDEM_GEMV_MM=0 --out "$OUT/gemm-decode.json" \
+        > "$OUT/gemm-decode.txt" 2>&1
+    timeout 150 python $B/spec.py --model 27b --weights nvfp4 --draft-tokens 0 3 --concurrency 1 4 8 --new-tokens 48 \
+        --out "$OUT/gemm-spec.json" > "$OUT/gemm-spec.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gemm-tests.txt" | cut -c1-200 | tail -6
+    for sh in auto r; do echo "== shape $sh"; grep -E "^(gate|down|q_p|o_p)" "$OUT/gemm-linear-$sh.txt" | cut -c1-60; done
+    grep -A14 "^weights variant" "$OUT/gemm-decode.txt" | cut -c1-120
+    tail -8 "$OUT/gemm-spec.txt" | cut -c1-150 ;;
   t8)
     # auto's pipelined-kernel rule up to 8 columns (twelfth session) against the earlier 4 (pipe4)
     timeout 150 scripts/gpu-tests.sh "$OUT/t8-tests" tests/test_cuda_linear.py -m "gpu and not slow" -k "pipe" \
