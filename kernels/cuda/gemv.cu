@@ -908,7 +908,9 @@ GEMV_XS_KERNEL(gemv_nvfp4_xs32, KIND_NVFP4, 4)
 // a 16-row tile in registers, tc_step's A fragments), organised as a GEMM instead of a GEMV:
 //   - a warp owns MT row tiles (16 MT rows) and every column: each B fragment read from shared memory
 //     feeds MT mma; the block's 8 warps own 128 MT consecutive rows (a tile of the grid's x axis);
-//   - x is staged per block, once per iteration of MM_P steps (64 or 128 elements of I per step), already
+//   - the weights come P steps (an iteration) ahead through registers, or with D > 0 (the _r kernels)
+//     D - 1 iterations ahead through a per-thread cp.async ring in dynamic shared memory;
+//   - x is staged per block, once per iteration of P steps (64 or 128 elements of I per step), already
 //     in the order the A fragments want (tc_step's prmt pairs; fp8: times 2^64), so a B fragment pair is
 //     one conflict-free 16-byte shared load; registers carry the next iteration's x while the current
 //     one computes, and one barrier per iteration separates the two buffers;
