@@ -649,7 +649,9 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | Non
     a bf16 weight of at most SMALL_BF16_ELEMS elements (O given) up to MAX_GEMV_COLUMNS; and bf16 up
     to 8 columns under the pipelined variant (gemv_bf16_pipe); variant None: the environment's."""
     if T <= gemv_columns(kind):
-        return True
+        # nvfp4 rows of an odd number of 16-element groups have no GEMM (CUDA-core GEMV, 16 columns a
+        # launch): beyond 32 columns they keep the dequantised path they had before the GEMM
+        return not (kind == "nvfp4" and I % 32 and T > 32 and L.env_int(QCOLUMNS_ENV, 1, 64) is None)
     if kind == "bf16" and O is not None and O * I <= SMALL_BF16_ELEMS and T <= MAX_GEMV_COLUMNS:
         return True
     return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)

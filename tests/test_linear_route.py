@@ -294,8 +294,11 @@ def test_gemm_takes_quantised_launches_of_9_to_64_columns(kind, tag, monkeypatch
                     assert S == r["ks"] and 1 <= S <= 16
                     assert S * r["grid"][0] * mt * n * 128 * 8 // 8 <= cl.MM_WS_FLOATS
         assert cl.launch_columns(kind, 5120) == (32 if kind == "nvfp4" else 64)
-    # nvfp4 rows of an odd number of 16-element groups keep the CUDA-core kernels
+    # nvfp4 rows of an odd number of 16-element groups keep the CUDA-core kernels, and beyond 32 columns
+    # the dequantised path (as before the GEMM)
     assert not cl.route(300, 5120 + 16, 20, "nvfp4", SM)["kernel"].startswith("gemm")
+    assert cl.route(300, 5120 + 16, 33, "nvfp4", SM)["path"] == "dequant_matmul"
+    assert cl.route(300, 5120, 33, "nvfp4", SM)["kernel"].startswith("gemm")
 
 
 def test_gemm_splits_i_where_the_row_blocks_leave_sms_idle(monkeypatch):
