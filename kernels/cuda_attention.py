@@ -371,21 +371,9 @@ def _smem_optin(device: int) -> int:
         return _SMEM_DEFAULT
 
 
-_pf_smem_set: set[tuple[str, int]] = set()
-
-
 def _prefill_kernel(name: str, dev: int, smem: int):
-    """The kernel, opted in to `smem` bytes of dynamic shared memory (above 48 KiB a launch fails without
-    the attribute). Set once per kernel and device, with the device current (CuPy resolves a kernel's
-    handle per current device); it is not a stream operation, so a later call may run inside a graph
-    capture."""
-    fn = L.kernel(_PF_SRC, name, dev)
-    if smem > _SMEM_DEFAULT and (name, dev) not in _pf_smem_set:
-        import cupy
-        with cupy.cuda.Device(dev):
-            fn.max_dynamic_shared_size_bytes = smem
-        _pf_smem_set.add((name, dev))
-    return fn
+    """The kernel, opted in to `smem` bytes of dynamic shared memory (launch.kernel)."""
+    return L.kernel(_PF_SRC, name, dev, dynamic_smem=smem)
 
 
 def prefill_warps(D: int, quant: bool, ctas8: int, sms: int, smem_limit: int, warps: int | None = None) -> int | None:

@@ -188,21 +188,9 @@ def _scan_tc_smem(DK: int) -> int:
     return 4 * _CHUNK * DK * 2 + 2 * _CHUNK * _CHUNK * 2 + _CHUNK * 16
 
 
-_scan_smem_set: set[tuple[str, int]] = set()
-
-
 def _scan_tc_kernel(DK: int, dev: int):
-    """The tensor-core scan for DK, opted in to its dynamic shared memory (above 48 KiB a launch fails
-    without the attribute; set once per kernel and device, with the device current)."""
-    name = f"gdn_chunk_scan_tc_dk{DK}"
-    fn = kernel(_SOURCE, name, dev)
-    smem = _scan_tc_smem(DK)
-    if smem > 48 * 1024 and (name, dev) not in _scan_smem_set:
-        import cupy
-        with cupy.cuda.Device(dev):
-            fn.max_dynamic_shared_size_bytes = smem
-        _scan_smem_set.add((name, dev))
-    return fn
+    """The tensor-core scan for DK, opted in to its dynamic shared memory (launch.kernel)."""
+    return kernel(_SOURCE, f"gdn_chunk_scan_tc_dk{DK}", dev, dynamic_smem=_scan_tc_smem(DK))
 
 
 def _scan_tc_warps(DV: int, HV: int, B: int, sms: int) -> int:

@@ -110,30 +110,38 @@ XS_KT = 256
 # The dequantising GEMM for quantised launches of 9..64 columns (gemm_{fp8row,fp8blk,nvfp4}_n16 / n32 / n64,
 # gemv.cu). TANDEM_GEMV_MM (read at every launch plan): "1" (the default: where mm_wins), "all" (every
 # launch it serves; benchmarks) or "0" (the GEMV kernels above, nvfp4 beyond 32 columns dequantised).
-# Per kernel (kind, column tiles): (row tiles of 16 per warp, steps per iteration, blocks per SM), as
-# gemv.cu's GEMM_Q_KERNEL lines. A block owns 8 warps x MT tiles of rows; the grid's y axis splits I into
-# S slices (_mm_splits), whose fp32 partials meet in a per-device workspace (MM_WS_FLOATS floats, counters
-# for MM_COUNTERS row tiles) kept for the life of the process (CUDA graphs hold its address).
+# A block owns 8 warps x MT tiles of rows; the grid's y axis splits I into S slices (_mm_splits), whose
+# fp32 partials meet in a per-device workspace (MM_WS_FLOATS floats, counters for MM_COUNTERS row tiles)
+# kept for the life of the process (CUDA graphs hold its address).
 MM_ENV = "TANDEM_GEMV_MM"
 MM_SPLITS_ENV = "TANDEM_GEMM_SPLITS"   # benchmarks: every GEMM launch's slice count (1..32, capped as usual)
 MM_MAX_COLUMNS = 64
 # name -> (kind, column tiles, row tiles per warp, steps per iteration, blocks per SM, ring stages); as
-# gemv.cu's GEMM_Q_KERNEL / GEMM_Q_RING_KERNEL lines. The route's kernel per (kind, column tiles) and
-# layer is _route_mm's; MM_SHAPE_ENV (benchmarks) picks the _m1 / _p4 / _r shapes where they exist.
-_MM_KERNELS = {}
-for _kind, _tag in (("fp8_row", "fp8row"), ("fp8_block", "fp8blk"), ("nvfp4", "nvfp4")):
-    for _nb, _mt, _p, _per_sm in ((2, 2, 2, 2), (4, 1 if _kind == "fp8_block" else 2, 1 if _kind == "nvfp4" else 2, 2),
-                                  (8, 1, 1, 2 if _kind == "fp8_row" else 1)):
-        if not (_nb == 8 and _kind == "nvfp4"):          # nvfp4 launches take 32 columns (launch_columns)
-            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}"] = (_kind, _nb, _mt, _p, _per_sm, 0)
-    for _nb in (2, 4):
-        if not (_nb == 4 and _kind == "fp8_block"):
-            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_m1"] = (_kind, _nb, 1, 2, 2, 0)
-        if not (_nb == 4 and _kind == "nvfp4"):
-            _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_p4"] = (_kind, _nb, 1, 4, 2, 0)
-        _MM_KERNELS[f"gemm_{_tag}_n{8 * _nb}_r"] = (_kind, _nb, 1, 2, 2, 3)
-_MM_KERNELS["gemm_fp8row_n64_r"] = ("fp8_row", 8, 1, 1, 2, 4)
-_mm_smem_set: set[tuple[str, int]] = set()
+# gemv.cu's GEMM_Q_KERNEL / GEMM_Q_RING_KERNEL lines (tests/test_linear_route.py checks). The route's
+# kernel per (kind, column tiles) and layer is _route_mm's; MM_SHAPE_ENV (benchmarks) picks the _m1 /
+# _p4 / _r shapes where they exist.
+_MM_KERNELS = {
+    # the route's shapes (_route_mm): two row tiles per warp where they fit, one for fp8-block at 32 and
+    # every 64-column kernel; nvfp4 has no 64-column kernel (launch_columns)
+    "gemm_fp8row_n16": ("fp8_row", 2, 2, 2, 2, 0), "gemm_fp8blk_n16": ("fp8_block", 2, 2, 2, 2, 0),
+    "gemm_nvfp4_n16": ("nvfp4", 2, 2, 2, 2, 0),
+    "gemm_fp8row_n32": ("fp8_row", 4, 2, 2, 2, 0), "gemm_fp8blk_n32": ("fp8_block", 4, 1, 2, 2, 0),
+    "gemm_nvfp4_n32": ("nvfp4", 4, 2, 1, 2, 0),
+    "gemm_fp8row_n64": ("fp8_row", 8, 1, 1, 2, 0), "gemm_fp8blk_n64": ("fp8_block", 8, 1, 1, 1, 0),
+    # one row tile per warp (_m1), four steps per iteration (_p4)
+    "gemm_fp8row_n16_m1": ("fp8_row", 2, 1, 2, 2, 0), "gemm_fp8blk_n16_m1": ("fp8_block", 2, 1, 2, 2, 0),
+    "gemm_nvfp4_n16_m1": ("nvfp4", 2, 1, 2, 2, 0),
+    "gemm_fp8row_n32_m1": ("fp8_row", 4, 1, 2, 2, 0), "gemm_nvfp4_n32_m1": ("nvfp4", 4, 1, 2, 2, 0),
+    "gemm_fp8row_n16_p4": ("fp8_row", 2, 1, 4, 2, 0), "gemm_fp8blk_n16_p4": ("fp8_block", 2, 1, 4, 2, 0),
+    "gemm_nvfp4_n16_p4": ("nvfp4", 2, 1, 4, 2, 0),
+    "gemm_fp8row_n32_p4": ("fp8_row", 4, 1, 4, 2, 0), "gemm_fp8blk_n32_p4": ("fp8_block", 4, 1, 4, 2, 0),
+    # the weight ring in dynamic shared memory (_r)
+    "gemm_fp8row_n16_r": ("fp8_row", 2, 1, 2, 2, 3), "gemm_fp8blk_n16_r": ("fp8_block", 2, 1, 2, 2, 3),
+    "gemm_nvfp4_n16_r": ("nvfp4", 2, 1, 2, 2, 3),
+    "gemm_fp8row_n32_r": ("fp8_row", 4, 1, 2, 2, 3), "gemm_fp8blk_n32_r": ("fp8_block", 4, 1, 2, 2, 3),
+    "gemm_nvfp4_n32_r": ("nvfp4", 4, 1, 2, 2, 3),
+    "gemm_fp8row_n64_r": ("fp8_row", 8, 1, 1, 2, 4),
+}
 
 
 def mm_ring_bytes(name: str) -> int:
@@ -196,11 +204,11 @@ def mm_applies(kind: str, I: int, T: int) -> bool:
             and mm_on())
 
 
-def mm_wins(O: int, T: int, kind: str) -> bool:
+def mm_wins(T: int, kind: str) -> bool:
     """Where the GEMM was measured faster than the GEMV kernels (scripts/bench/linear.py, 27B, H200,
     docs/perf.md fifteenth session): nvfp4 at 9..32 columns on every layer (at 32: gate|up 94 against
     121 us, down 55 against 84), fp8 from 17 columns (at 32: 44-114 against 73-144 us; at 9..16 the
-    GEMV stayed ahead: gate|up 75 against 91 us). O: the layer's rows (kept for a per-layer rule)."""
+    GEMV stayed ahead: gate|up 75 against 91 us)."""
     if _mm_setting() == "all":
         return True
     return kind == "nvfp4" or T > 16
@@ -261,7 +269,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
         return {"path": "dequant_matmul", "kind": kind, "T": T,
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
-    if mm_applies(kind, I, T) and mm_wins(O, T, kind):
+    if mm_applies(kind, I, T) and mm_wins(T, kind):
         return _route_mm(O, I, T, kind, sm_count, swiglu)
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
@@ -519,15 +527,9 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
             if bufs is None:
                 grid = (grid[0], 1)
             args += list(bufs) if bufs is not None else [None, None]
-        fn = L.kernel("gemv", r["kernel"], d)
-        smem = r.get("smem", 0)
-        if smem and (r["kernel"], d) not in _mm_smem_set:   # opt in once: static + dynamic may pass 48 KiB
-            import cupy
-            with cupy.cuda.Device(d):
-                fn.max_dynamic_shared_size_bytes = smem
-            _mm_smem_set.add((r["kernel"], d))
-        L.launch(fn, grid, r["block"], tuple(args), shared_mem=smem,
-                 device=d, pdl=True)                  # the GEMV kernels call pdl_wait (gemv.cu)
+        smem = r.get("smem", 0)                       # the GEMM's weight ring (_r kernels)
+        L.launch(L.kernel("gemv", r["kernel"], d, dynamic_smem=smem), grid, r["block"], tuple(args),
+                 shared_mem=smem, device=d, pdl=True)  # the GEMV kernels call pdl_wait (gemv.cu)
     return out
 
 
@@ -648,22 +650,21 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | Non
     """Whether a launch of T columns goes to the GEMV kernels (else cuBLAS): up to GEMV_COLUMNS[kind];
     a bf16 weight of at most SMALL_BF16_ELEMS elements (O given) up to MAX_GEMV_COLUMNS; and bf16 up
     to 8 columns under the pipelined variant (gemv_bf16_pipe); variant None: the environment's."""
-    if T <= gemv_columns(kind):
-        # nvfp4 rows of an odd number of 16-element groups have no GEMM (CUDA-core GEMV, 16 columns a
-        # launch): beyond 32 columns they keep the dequantised path they had before the GEMM
-        return not (kind == "nvfp4" and I % 32 and T > 32 and L.env_int(QCOLUMNS_ENV, 1, 64) is None)
+    if T <= gemv_columns(kind, I):
+        return True
     if kind == "bf16" and O is not None and O * I <= SMALL_BF16_ELEMS and T <= MAX_GEMV_COLUMNS:
         return True
     return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
 
 
-def gemv_columns(kind: str) -> int:
-    """The most columns of a `kind` weight on the GEMV: GEMV_COLUMNS[kind] (nvfp4 32 with the GEMM off,
-    as before it existed), or $TANDEM_GEMV_QCOLUMNS for the quantised kinds."""
+def gemv_columns(kind: str, I: int) -> int:
+    """The most columns of a `kind` weight of in_features I on the GEMV / GEMM: GEMV_COLUMNS[kind], or
+    $TANDEM_GEMV_QCOLUMNS for the quantised kinds. nvfp4 without the GEMM (TANDEM_GEMV_MM=0, or rows of an
+    odd number of 16-element groups) keeps 32, as before the GEMM existed."""
     q = L.env_int(QCOLUMNS_ENV, 1, 64) if kind != "bf16" else None
     if q is not None:
         return q
-    return 32 if kind == "nvfp4" and not mm_on() else GEMV_COLUMNS[kind]
+    return 32 if kind == "nvfp4" and not mm_applies(kind, I, MM_MAX_COLUMNS) else GEMV_COLUMNS[kind]
 
 
 def _shape(w):

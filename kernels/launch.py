@@ -107,11 +107,25 @@ def _function(name: str, fn: str, device: int):
         return mod.get_function(fn)
 
 
-def kernel(source: str, fn: str, device: int | None = None):
-    """The function `fn` of kernels/cuda/<source>.cu, compiled for `device` (default: torch's current)."""
+_smem_opted: dict[tuple[str, str, int], int] = {}     # (source, function, device) -> dynamic bytes opted in
+
+
+def kernel(source: str, fn: str, device: int | None = None, dynamic_smem: int = 0):
+    """The function `fn` of kernels/cuda/<source>.cu, compiled for `device` (default: torch's current).
+
+    dynamic_smem: the bytes of dynamic shared memory its launches ask for. The function is opted in to
+    them (a launch whose static + dynamic shared memory passes 48 KiB fails without the attribute): set
+    once per function, device and larger size, with the device current (CuPy resolves a kernel's handle
+    per current device); not a stream operation, so a call may come during a graph capture."""
     if device is None:
         device = torch.cuda.current_device()
-    return _function(source, fn, device)
+    f = _function(source, fn, device)
+    if dynamic_smem > _smem_opted.get((source, fn, device), 0):
+        import cupy
+        with cupy.cuda.Device(device):
+            f.max_dynamic_shared_size_bytes = dynamic_smem
+        _smem_opted[(source, fn, device)] = dynamic_smem
+    return f
 
 
 @functools.lru_cache(maxsize=64)

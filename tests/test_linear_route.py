@@ -34,7 +34,7 @@ def test_quantised_columns_go_to_the_tensor_core_kernels(kind, tag, staged, monk
         assert r["nt"] >= T
     assert cl.launch_columns(kind, 5120) == 32
     most = 32 if kind == "nvfp4" else 64               # nvfp4: a second 32-column pass costs more than dequantising
-    assert cl.gemv_columns(kind) == most               # (with the GEMM off; it takes nvfp4 to 64)
+    assert cl.gemv_columns(kind, 5120) == most               # (with the GEMM off; it takes nvfp4 to 64)
     for T in (33, 64):                                 # fp8: two launches of the 32-column kernel
         r = cl.route(34816, 5120, T, kind, SM)
         assert r["path"] == "dequant_matmul" if T > most else r["kernel"] == f"gemv_{tag}_{wide}32", (T, r)
@@ -276,7 +276,7 @@ def test_gemm_takes_quantised_launches_of_9_to_64_columns(kind, tag, monkeypatch
                     assert not cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)["kernel"].startswith("gemm")
                 for T, n in ((9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
                     r = cl.route(O, I, T, kind, SM, swiglu=swiglu, variant=variant)
-                    if not cl.mm_wins(O, T, kind):            # the GEMV kernels where they were faster
+                    if not cl.mm_wins(T, kind):            # the GEMV kernels where they were faster
                         assert r["kernel"].startswith("gemv_"), (O, I, T, r)
                         continue
                     if kind == "nvfp4":                       # nvfp4 launches take up to 32 columns
@@ -329,10 +329,10 @@ def test_gemm_switch_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.MM_ENV, "0")
     assert cl.route(34816, 5120, 32, "nvfp4", SM)["kernel"] == "gemv_nvfp4_tc32"
     assert cl.launch_columns("fp8_row", 5120) == 32
-    assert cl.gemv_columns("nvfp4") == 32                      # as before the GEMM: beyond, dequantise + cuBLAS
+    assert cl.gemv_columns("nvfp4", 5120) == 32                      # as before the GEMM: beyond, dequantise + cuBLAS
     monkeypatch.setenv(cl.MM_ENV, "1")
     assert cl.route(34816, 5120, 32, "nvfp4", SM)["kernel"] == "gemm_nvfp4_n32"
-    assert cl.gemv_columns("nvfp4") == 64
+    assert cl.gemv_columns("nvfp4", 5120) == 64
     monkeypatch.delenv(cl.MM_ENV)
     assert cl.mm_on()
     monkeypatch.setenv(cl.MM_ENV, "all")                      # benchmarks: also where the GEMV kernels won
@@ -373,3 +373,16 @@ def test_gemm_shapes_from_the_environment(monkeypatch):
     monkeypatch.setenv(cl.MM_SHAPE_ENV, "wide")
     with pytest.raises(KernelError, match=cl.MM_SHAPE_ENV):
         cl.route(34816, 5120, 16, "nvfp4", SM)
+
+
+def test_gemm_table_matches_the_kernel_source():
+    """_MM_KERNELS (the host's tile shapes, ring stages and blocks per SM) states what gemv.cu's
+    GEMM_Q_KERNEL / GEMM_Q_RING_KERNEL lines compile, one entry per kernel."""
+    import re
+    src = (cl.L.CUDA_DIR / "gemv.cu").read_text()
+    kind_of = {"KIND_FP8ROW": "fp8_row", "KIND_FP8BLK": "fp8_block", "KIND_NVFP4": "nvfp4"}
+    found = {}
+    for m in re.finditer(r"^GEMM_Q_(RING_)?KERNEL\((\w+), (KIND_\w+), (\d+), (\d+), (\d+), (\d+)(?:, (\d+))?\)", src, re.M):
+        ring, name, kind, nb, mt, p, per_sm, d = m.groups()
+        found[name] = (kind_of[kind], int(nb), int(mt), int(p), int(per_sm), int(d) if ring else 0)
+    assert found == cl._MM_KERNELS

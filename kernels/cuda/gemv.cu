@@ -443,6 +443,23 @@ __device__ __forceinline__ unsigned fp8_scale_bf16x2_2p118(unsigned b) {
     return d;
 }
 
+// 32-bit word m (0..3) of a 16-byte chunk.
+__device__ __forceinline__ unsigned word_of(const uint4& v, int m) {
+    return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
+}
+
+// nvfp4 word (8 e2m1 codes) of a lane's two rows, w0 (row g) and w1 (row g + 8), times their group
+// scales sa, sb (bf16x2, * 2^118): the A fragments of the word's two mma, a (codes 0, 1 with 4, 5)
+// and h (codes 2, 3 with 6, 7), pairing with x as (x0 x4) (x1 x5) and (x2 x6) (x3 x7).
+__device__ __forceinline__ void nvfp4_word_frags(unsigned w0, unsigned w1, unsigned sa, unsigned sb,
+                                                 unsigned (&a)[4], unsigned (&h)[4]) {
+    const unsigned v0 = w0 >> 8, v1 = w1 >> 8;                       // nibbles 2, 3 (6, 7) at 0, 1 (4, 5)
+    a[0] = bf16x2_mul(fp4pair_bf16<0>(w0), sa); a[1] = bf16x2_mul(fp4pair_bf16<0>(w1), sb);
+    a[2] = bf16x2_mul(fp4pair_bf16<1>(w0), sa); a[3] = bf16x2_mul(fp4pair_bf16<1>(w1), sb);
+    h[0] = bf16x2_mul(fp4pair_bf16<0>(v0), sa); h[1] = bf16x2_mul(fp4pair_bf16<0>(v1), sb);
+    h[2] = bf16x2_mul(fp4pair_bf16<1>(v0), sa); h[3] = bf16x2_mul(fp4pair_bf16<1>(v1), sb);
+}
+
 // One step of a lane: its chunk of both rows (wv, nvfp4 scale bytes sv) times the matching x of the
 // NB column tiles (column 8 nb + g of tile nb, at xq + xoff[nb]; EPC / 8 uint4 each, zeros when not
 // `live`) into the accumulators. The A fragments are decoded once and used by every tile. With one
@@ -464,21 +481,15 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
         }
 #pragma unroll
         for (int m = 0; m < 4; ++m) {                                 // 32-bit word m: elements 8m .. 8m+7
-            const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
-            const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
-            const unsigned v0 = w0 >> 8, v1 = w1 >> 8;               // nibbles 2, 3 (6, 7) at 0, 1 (4, 5)
-            const unsigned sa = s2[0][m >> 1], sb = s2[1][m >> 1];
-            const unsigned a0 = bf16x2_mul(fp4pair_bf16<0>(w0), sa), a1 = bf16x2_mul(fp4pair_bf16<0>(w1), sb);
-            const unsigned a2 = bf16x2_mul(fp4pair_bf16<1>(w0), sa), a3 = bf16x2_mul(fp4pair_bf16<1>(w1), sb);
-            const unsigned h0 = bf16x2_mul(fp4pair_bf16<0>(v0), sa), h1 = bf16x2_mul(fp4pair_bf16<0>(v1), sb);
-            const unsigned h2 = bf16x2_mul(fp4pair_bf16<1>(v0), sa), h3 = bf16x2_mul(fp4pair_bf16<1>(v1), sb);
+            unsigned a[4], h[4];
+            nvfp4_word_frags(word_of(wv[0], m), word_of(wv[1], m), s2[0][m >> 1], s2[1][m >> 1], a, h);
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
                 const uint4 xw = !live ? zero4 : XS ? *(const uint4*)(xq + xoff[nb] + 8 * m)
                                                     : ld_x16(xq + xoff[nb] + 8 * m);   // (x0 x1) (x2 x3) (x4 x5) (x6 x7)
-                mma_bf16_16816(acc[nb][0], a0, a1, a2, a3,
+                mma_bf16_16816(acc[nb][0], a,
                                prmt(xw.x, xw.z, 0x5410u), prmt(xw.x, xw.z, 0x7632u));  // (x0 x4) (x1 x5)
-                mma_bf16_16816(acc[nb][1 % S], h0, h1, h2, h3,
+                mma_bf16_16816(acc[nb][1 % S], h,
                                prmt(xw.y, xw.w, 0x5410u), prmt(xw.y, xw.w, 0x7632u));  // (x2 x6) (x3 x7)
             }
         }
@@ -500,8 +511,7 @@ __device__ __forceinline__ void tc_step(const uint4 (&wv)[2], const unsigned (&s
 #pragma unroll
             for (int mm = 0; mm < 2; ++mm) {                          // 32-bit word m = 2h + mm: elements 4m .. 4m+3
                 const int m = 2 * h + mm;
-                const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
-                const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+                const unsigned w0 = word_of(wv[0], m), w1 = word_of(wv[1], m);
                 fp8x4_bf16(w0, e0[mm], o0[mm]);
                 fp8x4_bf16(w1, e1[mm], o1[mm]);
             }
@@ -953,16 +963,9 @@ __device__ __forceinline__ void mm_step(const uint4 (&wv)[MT][2], const unsigned
         for (int m = 0; m < 4; ++m) {
             unsigned a[MT][4], h[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const unsigned w0 = m == 0 ? wv[mt][0].x : m == 1 ? wv[mt][0].y : m == 2 ? wv[mt][0].z : wv[mt][0].w;
-                const unsigned w1 = m == 0 ? wv[mt][1].x : m == 1 ? wv[mt][1].y : m == 2 ? wv[mt][1].z : wv[mt][1].w;
-                const unsigned v0 = w0 >> 8, v1 = w1 >> 8;
-                const unsigned sa = s2[mt][0][m >> 1], sb = s2[mt][1][m >> 1];
-                a[mt][0] = bf16x2_mul(fp4pair_bf16<0>(w0), sa); a[mt][1] = bf16x2_mul(fp4pair_bf16<0>(w1), sb);
-                a[mt][2] = bf16x2_mul(fp4pair_bf16<1>(w0), sa); a[mt][3] = bf16x2_mul(fp4pair_bf16<1>(w1), sb);
-                h[mt][0] = bf16x2_mul(fp4pair_bf16<0>(v0), sa); h[mt][1] = bf16x2_mul(fp4pair_bf16<0>(v1), sb);
-                h[mt][2] = bf16x2_mul(fp4pair_bf16<1>(v0), sa); h[mt][3] = bf16x2_mul(fp4pair_bf16<1>(v1), sb);
-            }
+            for (int mt = 0; mt < MT; ++mt)
+                nvfp4_word_frags(word_of(wv[mt][0], m), word_of(wv[mt][1], m), s2[mt][0][m >> 1], s2[mt][1][m >> 1],
+                                 a[mt], h[mt]);
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
                 const uint4 b = xb[nb * 8 * ROWU + 4 * m];
@@ -992,10 +995,8 @@ __device__ __forceinline__ void mm_step(const uint4 (&wv)[MT][2], const unsigned
 #pragma unroll
                 for (int mm = 0; mm < 2; ++mm) {
                     const int m = 2 * hh + mm;
-                    const unsigned w0 = m == 0 ? wv[mt][0].x : m == 1 ? wv[mt][0].y : m == 2 ? wv[mt][0].z : wv[mt][0].w;
-                    const unsigned w1 = m == 0 ? wv[mt][1].x : m == 1 ? wv[mt][1].y : m == 2 ? wv[mt][1].z : wv[mt][1].w;
-                    fp8x4_bf16(w0, e0[mt][mm], o0[mt][mm]);
-                    fp8x4_bf16(w1, e1[mt][mm], o1[mt][mm]);
+                    fp8x4_bf16(word_of(wv[mt][0], m), e0[mt][mm], o0[mt][mm]);
+                    fp8x4_bf16(word_of(wv[mt][1], m), e1[mt][mm], o1[mt][mm]);
                 }
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
@@ -1411,8 +1412,7 @@ __device__ __forceinline__ void pipe_step(const uint4 (&wv)[2], const unsigned (
         for (int r = 0; r < 2; ++r) fp8x2_scales_bf16x2_2p118(sw[r], ssel, s2[r][0], s2[r][1]);
 #pragma unroll
         for (int m = 0; m < 4; ++m) {                                 // 32-bit word m: elements 8m .. 8m+7
-            const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
-            const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+            const unsigned w0 = word_of(wv[0], m), w1 = word_of(wv[1], m);
             unsigned d0[4], d1[4];
             fp4x8_bf16x4(w0, d0);
             fp4x8_bf16x4(w1, d1);
@@ -1441,8 +1441,7 @@ __device__ __forceinline__ void pipe_step(const uint4 (&wv)[2], const unsigned (
 #pragma unroll
             for (int mm = 0; mm < 2; ++mm) {                          // 32-bit word m = 2h + mm: elements 4m .. 4m+3
                 const int m = 2 * h + mm;
-                const unsigned w0 = m == 0 ? wv[0].x : m == 1 ? wv[0].y : m == 2 ? wv[0].z : wv[0].w;
-                const unsigned w1 = m == 0 ? wv[1].x : m == 1 ? wv[1].y : m == 2 ? wv[1].z : wv[1].w;
+                const unsigned w0 = word_of(wv[0], m), w1 = word_of(wv[1], m);
                 fp8x4_bf16(w0, e0[mm], o0[mm]);
                 fp8x4_bf16(w1, e1[mm], o1[mm]);
             }
