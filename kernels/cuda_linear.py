@@ -144,6 +144,24 @@ _MM_KERNELS = {
 }
 
 
+def mm_static_bytes(name: str) -> int:
+    """Static shared memory of a GEMM kernel: x staged twice in fragment order (2 x 8 NB columns x
+    (P x 4 x WD + MM_PAD) 16-byte units) and the last-block flag (tests/test_cuda_compile.py checks it
+    against ptxas's report)."""
+    kind, nb, _, p, _, _ = _MM_KERNELS[name]
+    wd = 4 if kind == "nvfp4" else 2
+    return 2 * 8 * nb * (p * 4 * wd + 4) * 16 + 16
+
+
+def mm_ring_fits(name: str, smem_sm: int) -> bool:
+    """Whether a ring kernel keeps its blocks per SM (the register shapes' residency) in `smem_sm` bytes
+    of shared memory per SM: static + ring + the 1 KiB the runtime reserves per block, times blocks.
+    True on H100 / H200 (228 KiB per SM); false on 100 KiB boards (sm_86 / 89 / 120), which would run
+    one block per SM."""
+    per_sm = _MM_KERNELS[name][4]
+    return per_sm * (mm_static_bytes(name) + mm_ring_bytes(name) + 1024) <= smem_sm
+
+
 def mm_ring_bytes(name: str) -> int:
     """Dynamic shared memory of a GEMM kernel: its weight ring (D stages x P steps x MT tiles x 2 rows x
     256 threads x 16 bytes, + 4 bytes per slot for nvfp4's scale words); 0 without one."""
@@ -151,7 +169,8 @@ def mm_ring_bytes(name: str) -> int:
     return d * p * mt * 2 * 256 * (20 if kind == "nvfp4" else 16)
 
 
-MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # benchmarks: "base", "m1", "p4" or "r" everywhere (default "auto": _route_mm)
+MM_SHAPE_ENV = "TANDEM_GEMM_SHAPE"     # "base", "m1", "p4" or "r" everywhere; "reg" the register shapes by
+                                       # rule; default "auto": _route_mm (the ring where it keeps residency)
 MM_WS_FLOATS = 1 << 22                 # 16 MiB of fp32 partials per device
 MM_COUNTERS = 1 << 13
 MM_MIN_ITERATIONS = 4                  # a slice covers at least this many iterations of P steps
@@ -244,7 +263,7 @@ def _vector_rule(kind: str) -> int:
 
 
 def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False,
-          variant: str | None = None) -> dict:
+          variant: str | None = None, smem_sm: int | None = None) -> dict:
     """The launch plan for one linear: which kernel, how many warps split a row pair, the grid.
 
     A unit is two weight rows (gate row f and up row F+f for SwiGLU); a block of 8 warps covers
@@ -258,6 +277,9 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     <= 8 columns go to gemv_*_pipe wherever pipe_applies(); "auto" where pipe_wins() too; "bf16pipe" as
     "auto", and bf16 launches of 3-8 columns to gemv_bf16_pipe; "pipe4" as "auto" with pipe_wins' rule
     stopped at 4 columns.
+
+    smem_sm: shared memory per SM in bytes (the GEMM's weight ring is taken where it fits; None: the
+    current CUDA device's, 0 without one).
     """
     if kind not in ("bf16",) + tuple(_DEQUANT_KIND):
         raise L.KernelError(f"route: unknown weight kind {kind!r}")
@@ -270,7 +292,9 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
                 "slab_rows": max(1, min(O, PREFILL_SLAB_ELEMS // max(I, 1)))}
     T = min(T, launch_columns(kind, I))
     if mm_applies(kind, I, T) and mm_wins(T, kind):
-        return _route_mm(O, I, T, kind, sm_count, swiglu)
+        if smem_sm is None:
+            smem_sm = L.smem_per_sm() if torch.cuda.is_available() else 0
+        return _route_mm(O, I, T, kind, sm_count, swiglu, smem_sm)
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
     if variant == "bf16pipe" and kind == "bf16" and T > GEMV_COLUMNS["bf16"] and pipe_applies(kind, I, T):
@@ -369,17 +393,24 @@ def _route_pipe(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) 
             "variant": "pipelined"}
 
 
-def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
+def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool, smem_sm: int = 0) -> dict:
     """The dequantising GEMM (gemm_*_n16 / n32 / n64, gemv.cu): 8 warps of MT 16-row tiles (SwiGLU: 8 gate
-    rows and their 8 up rows per tile) per block on the grid's x axis, S slices of I on its y axis."""
+    rows and their 8 up rows per tile) per block on the grid's x axis, S slices of I on its y axis.
+
+    Shape "auto": the weight ring (_r) where the kernel has one, I suits it and smem_sm keeps its blocks
+    per SM (27B step on an H200, sixteenth session: nvfp4 2.7-3.2% and fp8 0.5-10% faster at C = 16 /
+    32 / 64 than the register shapes); otherwise "reg", the register shapes by rule."""
     nb = 2 if T <= 16 else 4 if T <= 32 else 8
     name = f"gemm_{_KIND_TAG[kind]}_n{8 * nb}"
     shape = os.environ.get(MM_SHAPE_ENV) or "auto"
-    if shape not in ("auto", "base", "m1", "p4", "r"):
-        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected auto, base, m1, p4 or r")
-    if shape == "r" and kind == "nvfp4" and I % 64:                   # the ring's 4-byte scale words
-        shape = "auto"
-    if shape == "auto":                               # measured (linear.py, fifteenth session): the base shape
+    if shape not in ("auto", "reg", "base", "m1", "p4", "r"):
+        raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected auto, reg, base, m1, p4 or r")
+    ring_ok = not (kind == "nvfp4" and I % 64)        # the ring's 4-byte scale words
+    if shape == "r" and not ring_ok:
+        shape = "reg"
+    if shape == "auto":
+        shape = "r" if ring_ok and f"{name}_r" in _MM_KERNELS and mm_ring_fits(f"{name}_r", smem_sm) else "reg"
+    if shape == "reg":                                # measured (linear.py, fifteenth session): the base shape
         wide = O >= MM_WIDE_ROWS                      # on 27B gate|up, _m1 (nvfp4) / _p4 (fp8) on the others
         shape = "base" if wide else ("m1" if kind == "nvfp4" else "p4")
     if shape != "base" and f"{name}_{shape}" in _MM_KERNELS:
@@ -506,7 +537,7 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
     mode = 2 if swiglu else (1 if residual is not None else 0)
     Fh = O // 2 if swiglu else 0
     d = L.device_of(x)
-    sms, step, variant = L.sm_count(d), launch_columns(kind, I), gemv_variant()
+    sms, step, variant, smem_sm = L.sm_count(d), launch_columns(kind, I), gemv_variant(), L.smem_per_sm(d)
     extra = list(parts[1:]) if parts else []
     bounds, at = [], 0
     for p in (parts or [])[:-1]:
@@ -515,7 +546,7 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
     bounds += [O] * (3 - len(bounds))                 # o1, o2, o3 (rows where outputs 1, 2, 3 start)
     for a in range(0, T, step):                       # columns in launches of up to `step`
         b = min(T, a + step)
-        r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant)
+        r = route(O, I, b - a, kind, sms, swiglu=swiglu, variant=variant, smem_sm=smem_sm)
         whole = a == 0 and b == T                     # one launch: no views to make (host time, eager steps)
         ys = (extra if whole else [e[a:b] for e in extra]) + [None] * (3 - len(extra))
         res = residual if residual is None or whole else residual[a:b]

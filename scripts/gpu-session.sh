@@ -123,17 +123,17 @@ case "$PART" in
     # unverified), the ring per layer, the step with and without it, and quantised speculation rounds
     timeout 120 scripts/gpu-tests.sh "$OUT/gemm-tests" tests/test_cuda_linear.py -m "gpu and not slow" -k "gemm" \
         --tb=short > "$OUT/gemm-tests.txt" 2>&1
-    for sh in auto r; do
+    for sh in reg auto; do
       TANDEM_GEMV_MM=all TANDEM_GEMM_SHAPE=$sh timeout 40 python $B/linear.py --layers q_proj o_proj gate_up down \
           --kinds nvfp4 fp8_row --columns 16 32 64 --out "$OUT/gemm-linear-$sh.json" > "$OUT/gemm-linear-$sh.txt" 2>&1
     done
     timeout 150 python $B/decode.py --model 27b --weights nvfp4 fp8 --concurrency 16 32 64 --steps 6 \
-        --variant ring:TANDEM_GEMM_SHAPE=r --variant gemv:TANDEM_GEMV_MM=0 --out "$OUT/gemm-decode.json" \
+        --variant reg:TANDEM_GEMM_SHAPE=reg --variant gemv:TANDEM_GEMV_MM=0 --out "$OUT/gemm-decode.json" \
         > "$OUT/gemm-decode.txt" 2>&1
     timeout 150 python $B/spec.py --model 27b --weights nvfp4 --draft-tokens 0 3 --concurrency 1 4 8 --new-tokens 48 \
         --out "$OUT/gemm-spec.json" > "$OUT/gemm-spec.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gemm-tests.txt" | cut -c1-200 | tail -6
-    for sh in auto r; do echo "== shape $sh"; grep -E "^(gate|down|q_p|o_p)" "$OUT/gemm-linear-$sh.txt" | cut -c1-60; done
+    for sh in reg auto; do echo "== shape $sh"; grep -E "^(gate|down|q_p|o_p)" "$OUT/gemm-linear-$sh.txt" | cut -c1-60; done
     grep -A14 "^weights variant" "$OUT/gemm-decode.txt" | cut -c1-120
     tail -8 "$OUT/gemm-spec.txt" | cut -c1-150 ;;
   t8)

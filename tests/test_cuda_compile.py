@@ -152,3 +152,15 @@ def test_compiles_without_spills(src: Path, arch: str, compiles):
     spills = {k.name: (k.spill_stores, k.spill_loads) for k in res.kernels.values()
               if k.spill_stores or k.spill_loads}
     assert not spills, f"{src.name} ({arch}) spills registers (stores, loads in bytes): {spills}\n{res.log}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemm_static_shared_memory_is_what_the_route_assumes(arch: str, compiles):
+    """kernels/cuda_linear.mm_static_bytes (which decides where the weight ring keeps its blocks per SM)
+    states each GEMM kernel's static shared memory as ptxas reports it."""
+    from kernels import cuda_linear as cl
+    res: CompileResult = compiles[("gemv.cu", arch)].result()
+    assert res.returncode == 0, res.log
+    got = {name: res.kernels[name].smem for name in cl._MM_KERNELS if name in res.kernels}
+    assert set(got) == set(cl._MM_KERNELS), set(cl._MM_KERNELS) - set(got)
+    assert got == {name: cl.mm_static_bytes(name) for name in cl._MM_KERNELS}

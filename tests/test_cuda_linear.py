@@ -630,11 +630,12 @@ def test_gemm_agrees_with_the_gemv_kernels(kind, seed, monkeypatch):
         assert rel(a, b) <= 4e-3, (O, I, T, rel(a, b))
 
 
-@pytest.mark.parametrize("shape", ("auto", "r"))
+@pytest.mark.parametrize("shape", ("auto", "reg", "r"))
 def test_gemm_graph_replays(shape, seed, monkeypatch):
     """Two sliced GEMMs in one captured graph, replayed 200 times over fresh inputs: every replay equals
     the eager launch bit for bit (the counters are reset by each row tile's last block, not the host);
-    with the route's shapes and with the weight-ring ones (dynamic shared memory)."""
+    with the route's shapes (the ring where it keeps residency), the register shapes and the weight-ring
+    ones everywhere (dynamic shared memory)."""
     from kernels import cuda_linear as cl
     from kernels.cuda_linear import linear, linear_swiglu
     monkeypatch.setenv(cl.MM_SPLITS_ENV, "5")

@@ -375,6 +375,37 @@ def test_gemm_shapes_from_the_environment(monkeypatch):
         cl.route(34816, 5120, 16, "nvfp4", SM)
 
 
+H200_SMEM, BOARD_SMEM = 233472, 102400          # shared memory per SM: sm_90, and sm_86 / 89 / 120
+
+
+def test_gemm_takes_the_weight_ring_where_it_keeps_its_blocks_per_sm(monkeypatch):
+    """Default shape: the _r kernel wherever one exists, I suits it (nvfp4: I % 64 == 0) and two blocks'
+    static + ring shared memory fit the SM; the register shapes on 100 KiB boards, without a device
+    (smem 0) and under TANDEM_GEMM_SHAPE=reg."""
+    monkeypatch.delenv(cl.MM_SHAPE_ENV, raising=False)
+    monkeypatch.setenv(cl.MM_ENV, "1")
+    for kind in ("fp8_row", "fp8_block", "nvfp4"):
+        for O, I, swiglu in ((5120, 17408, False), (34816, 5120, True), (12288, 5120, False)):
+            for T in (9, 16, 17, 32, 33, 64):
+                reg = cl.route(O, I, T, kind, SM, swiglu=swiglu, smem_sm=0)
+                if not reg["kernel"].startswith("gemm_"):
+                    continue
+                base = "_".join(reg["kernel"].split("_")[:3])
+                ring = f"{base}_r" if f"{base}_r" in cl._MM_KERNELS and not (kind == "nvfp4" and I % 64) else None
+                got = cl.route(O, I, T, kind, SM, swiglu=swiglu, smem_sm=H200_SMEM)
+                assert got["kernel"] == (ring or reg["kernel"]), (kind, O, I, T)
+                assert got["smem"] == (cl.mm_ring_bytes(ring) if ring else 0)
+                per_sm = cl._MM_KERNELS[got["kernel"]][4]
+                assert per_sm * (cl.mm_static_bytes(got["kernel"]) + got["smem"] + 1024) <= H200_SMEM
+                assert cl.route(O, I, T, kind, SM, swiglu=swiglu, smem_sm=BOARD_SMEM) == reg
+                monkeypatch.setenv(cl.MM_SHAPE_ENV, "reg")
+                assert cl.route(O, I, T, kind, SM, swiglu=swiglu, smem_sm=H200_SMEM) == reg
+                monkeypatch.delenv(cl.MM_SHAPE_ENV)
+    assert cl.route(5120, 17408, 64, "fp8_block", SM, smem_sm=H200_SMEM)["kernel"] == "gemm_fp8blk_n64"  # no ring
+    assert cl.route(5120, 5120 + 32, 32, "nvfp4", SM, smem_sm=H200_SMEM)["kernel"] == "gemm_nvfp4_n32_m1"
+    assert not cl.mm_ring_fits("gemm_nvfp4_n32_r", BOARD_SMEM) and cl.mm_ring_fits("gemm_nvfp4_n32_r", H200_SMEM)
+
+
 def test_gemm_table_matches_the_kernel_source():
     """_MM_KERNELS (the host's tile shapes, ring stages and blocks per SM) states what gemv.cu's
     GEMM_Q_KERNEL / GEMM_Q_RING_KERNEL lines compile, one entry per kernel."""
