@@ -43,6 +43,12 @@ class SamplingParams:
     thinking_budget: int | None = None
     thinking_end_ids: tuple[int, ...] = field(default=())
     thinking_close_ids: tuple[int, ...] = field(default=())
+    # Structured outputs: an llguidance grammar (runtime.grammar.compile_format: the APIs' json_object /
+    # json_schema formats) that every sampled token must follow, from the first token or, when
+    # grammar_after is set, after the first of those ids in the output (e.g. "</think>": reasoning is
+    # not constrained). Once the grammar is complete only end-of-sequence ids may follow.
+    grammar: str | None = None
+    grammar_after: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
@@ -67,6 +73,10 @@ class SamplingParams:
                    name, k, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
                "thinking_budget", self.thinking_budget, "an integer >= 0")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and bool(self.grammar)), "grammar",
+               self.grammar if not isinstance(self.grammar, str) else "''", "None or a grammar (runtime.grammar)")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.grammar_after),
+               "grammar_after", self.grammar_after, "token ids (integers >= 0)")
         _check(self.thinking_budget is None or bool(self.thinking_close_ids), "thinking_close_ids",
                self.thinking_close_ids, "non-empty when thinking_budget is set")
 

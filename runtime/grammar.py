@@ -1,0 +1,207 @@
+"""Structured outputs: a grammar that constrains which tokens a request may sample.
+
+The APIs' output formats (OpenAI `response_format` / Responses `text.format` json_object and
+json_schema, Anthropic `output_config.format`) become an llguidance grammar (`compile_format`, in the
+frontend, so a bad schema is a 400 naming its field). The grammar travels in SamplingParams; the
+coordinator keeps one `Constraint` per sequence: before every step that samples the sequence it
+computes the bitmask of allowed token ids (llguidance's Earley parser over the tokenizer's byte
+strings, ~0.1-1 ms per token) and sends it with the step plan; each rank sets the disallowed ids of
+its vocabulary shard to -inf before sampling (ranks.sampler.apply_penalties), so every sampler
+(greedy, temperature, top-k / top-p / min-p, penalties, logit_bias) draws from the allowed ids only;
+after the step the sampled token advances the parser. When the grammar is complete only the end-of-
+sequence ids remain allowed, so the request stops there.
+
+A grammar applies after the first of `grammar_after` ids in the output (the `</think>` of a
+reasoning model: reasoning is never constrained, api.md section 6.9), or from the first token when
+that is empty. Constrained sequences need the sampled token before the next step can be planned:
+they take no speculative drafts and no steps planned ahead (runtime.scheduler).
+
+llguidance (a Rust wheel with no Python dependencies) is imported on first use; without it a
+request with an output format is refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+
+class GrammarError(ValueError):
+    """An output format that cannot be compiled; the message starts with the field's name."""
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError as e:                               # pragma: no cover - a dependency of the package
+        raise GrammarError("structured outputs need the 'llguidance' package (pip install llguidance)") from e
+    return llguidance
+
+
+# Compiler options: JSON with the separators models write (", " and ": ") and free whitespace between
+# tokens off, so a constrained model cannot pad its answer with endless spaces or newlines.
+# Keywords llguidance does not implement (e.g. some "format" values) are ignored rather than refused.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+MAX_SCHEMA_BYTES = 1 << 20
+
+
+def json_schema_grammar(schema: Any, field: str) -> str:
+    """The grammar of JSON documents valid under `schema` (a dict, or True / {} for any JSON value);
+    GrammarError naming `field` when the schema is not one llguidance can compile."""
+    if schema is True or schema is None:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{field} must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        raise GrammarError(f"{field} is not JSON-serialisable: {e}") from None
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"{field} is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
+    llg = _llg()
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"{field} is not a usable JSON schema: {e}") from None
+    _validate(grammar, field)
+    return grammar
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (OpenAI's json_object mode)."""
+    return json_schema_grammar({"type": "object"}, "response_format")
+
+
+def regex_grammar(pattern: str, field: str) -> str:
+    if not isinstance(pattern, str):
+        raise GrammarError(f"{field} must be a string, got {type(pattern).__name__}")
+    grammar = _llg().LLMatcher.grammar_from_regex(pattern)
+    _validate(grammar, field)
+    return grammar
+
+
+def choice_grammar(choices: Any, field: str) -> str:
+    """Exactly one of the given strings."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError(f"{field} must be a non-empty list of non-empty strings")
+    alts = " | ".join(json.dumps(c) for c in choices)       # a JSON string literal is a Lark string literal
+    grammar = _llg().LLMatcher.grammar_from_lark(f"start: {alts}\n")
+    _validate(grammar, field)
+    return grammar
+
+
+def lark_grammar(text: str, field: str) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(f"{field} must be a non-empty Lark grammar")
+    grammar = _llg().LLMatcher.grammar_from_lark(text)
+    _validate(grammar, field)
+    return grammar
+
+
+def _validate(grammar: str, field: str) -> None:
+    err = _llg().LLMatcher.validate_grammar(grammar, None)
+    if err:
+        raise GrammarError(f"{field}: {err}")
+
+
+def compile_format(fmt: dict | None, field: str) -> str | None:
+    """An API output format -> a grammar (None for plain text). Accepted: {"type": "text"},
+    {"type": "json_object"}, {"type": "json_schema", "schema": ...} and OpenAI Chat's nested
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}. `field` names the format in
+    errors (e.g. "response_format")."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise GrammarError(f"{field} must be an object, got {type(fmt).__name__}")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_grammar()
+    if kind == "json_schema":
+        inner = fmt.get("json_schema")
+        if inner is not None:                              # OpenAI Chat: {"json_schema": {"name", "schema"}}
+            if not isinstance(inner, dict):
+                raise GrammarError(f"{field}.json_schema must be an object, got {type(inner).__name__}")
+            return json_schema_grammar(inner.get("schema"), f"{field}.json_schema.schema")
+        return json_schema_grammar(fmt.get("schema"), f"{field}.schema")
+    raise GrammarError(f"{field}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The coordinator's side: one parser per constrained sequence
+
+_tokenizers: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+_tok_lock = threading.Lock()
+
+
+def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
+    """llguidance's view of a tokenizer (its token byte strings; ~1 s to build for a 248k vocabulary,
+    so kept per (file, vocabulary size, eos ids)). vocab_size is the model's (the logits' width),
+    which may exceed the tokenizer's: ids past it are never allowed."""
+    key = (tokenizer_json, int(vocab_size), tuple(sorted(eos_ids)))
+    with _tok_lock:
+        tok = _tokenizers.get(key)
+        if tok is None:
+            with open(tokenizer_json, encoding="utf-8") as f:
+                text = f.read()
+            tok = _llg().LLTokenizer(text, n_vocab=int(vocab_size), eos_token=list(key[2]))
+            _tokenizers[key] = tok
+        return tok
+
+
+class Constraint:
+    """One sequence's grammar state. `mask()` before a step that samples the sequence, `advance()`
+    with the tokens the step added (sampled or inserted)."""
+
+    def __init__(self, tokenizer, grammar: str, after: tuple[int, ...] = ()):
+        llg = _llg()
+        self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"the output format cannot be used: {self.matcher.get_error()}")
+        self.after = frozenset(after)
+        self.active = not after                 # waiting for the end of reasoning otherwise
+        self._pending = False                   # `after` seen: active from the next sampled token
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def mask(self) -> bytes | None:
+        """The allowed ids of the next sampled token (bit i of byte i // 8 = id i), None while the
+        grammar does not apply yet."""
+        if not self.active:
+            if not self._pending:
+                return None
+            self.active = True
+        return self.matcher.compute_bitmask()
+
+    def advance(self, tokens: list[int]) -> None:
+        """Tokens appended to the output (sampled under the last mask, or inserted without sampling)."""
+        for t in tokens:
+            if self.active:
+                self.matcher.consume_token(int(t))
+            elif t in self.after:
+                self._pending = True            # tokens inserted after it (close-of-thinking) stay free
+
+
+def mask_shard(mask: bytes, offset: int, n: int) -> np.ndarray:
+    """bool [n]: which ids offset .. offset + n - 1 a bitmask allows (ids past its end: none)."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    out = np.zeros(n, dtype=bool)
+    have = max(0, min(n, bits.size - offset))
+    out[:have] = bits[offset:offset + have].astype(bool)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    try:
+        _llg()
+    except GrammarError:
+        return False
+    return True
