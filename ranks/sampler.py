@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from runtime.grammar import mask_shard
 from runtime.sampling import MAX_TOP_LOGPROBS
 
 Tensor = torch.Tensor
@@ -56,6 +57,7 @@ class SeqSampler:
     bias: tuple[tuple[int, float], ...] = ()                 # (id, value): logit_bias, added to the raw logit
     logprobs: int = -1                                       # -1: none; k >= 0: the token's logprob + k alternatives
     prompt_logprobs: int = -1                                # the same for every prompt token after the first
+    allow: bytes | None = None                               # structured outputs: this step's allowed ids (bitmask)
 
     def __post_init__(self) -> None:
         self.banned = tuple(int(t) for t in self.banned)     # msgpack brings a list
@@ -77,7 +79,8 @@ class SeqSampler:
     @property
     def adjusts_logits(self) -> bool:
         """Whether apply_penalties changes this sequence's logits (penalties with counts, banned ids, a bias)."""
-        return (self.has_penalties and bool(self.seen)) or bool(self.banned) or bool(self.bias)
+        return (self.has_penalties and bool(self.seen)) or bool(self.banned) or bool(self.bias) \
+            or self.allow is not None
 
     def observe(self, tokens: list[int], first_position: int) -> None:
         """Count the input tokens of one step (positions from first_position on)."""
@@ -198,12 +201,18 @@ def keyed_uniform(seed: int, position: int, purpose: int = PURPOSE_ACCEPT) -> fl
 
 def apply_penalties(logits: Tensor, s: SeqSampler, offset: int) -> Tensor:
     """Penalised copy of one row of logits for the shard that starts at token id `offset`: the
-    logit_bias is added to the raw logits first (as vLLM does), banned ids get -inf, then the
-    repetition, presence and frequency penalties act on the biased logits."""
+    logit_bias is added to the raw logits first (as vLLM does), banned ids and (structured outputs)
+    the ids outside the step's grammar mask get -inf, then the repetition, presence and frequency
+    penalties act on the biased logits."""
     if not s.adjusts_logits:
         return logits
     out = logits.clone()
     n = out.shape[-1]
+    if s.allow is not None:
+        keep = torch.from_numpy(mask_shard(s.allow, offset, n))
+        if out.device.type == "cuda":                # pinned, so the copy does not wait for the stream
+            keep = keep.pin_memory().to(out.device, non_blocking=True)
+        out.masked_fill_(~keep, float("-inf"))
     if s.bias:
         pairs = [(t - offset, v) for t, v in s.bias if offset <= t < offset + n]
         if pairs:                        # index_add_ with device tensors: no host synchronisation

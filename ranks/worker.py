@@ -92,6 +92,7 @@ class Worker:
         self.kv_dtype = opts.get("kv_dtype", "bf16")
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
         self.samplers: dict[int, SeqSampler] = {}
+        self.masked: list[int] = []          # sequences whose sampler holds a grammar mask (_set_masks)
         self.last_sampled: dict[int, int] = {}            # per sequence, its token sampled last (steps planned ahead)
         # device-fed steps (submit). Unset: on for the cuda backend at tp 1, where it was measured (the 27B
         # nvfp4 engine step 10.2 -> 9.1 ms, docs/perf.md); tp > 1 waits for its two-GPU run, and the CPU
@@ -191,6 +192,7 @@ class Worker:
         t0 = time.perf_counter()
         for sid, fields in plan.new_sampling.items():
             self.samplers[int(sid)] = SeqSampler(**fields)
+        self._set_masks(plan)
         seq_ids = plan.seq_ids.tolist()
         columns, starts = plan.columns.tolist(), plan.starts.tolist()
         tokens = plan.token_ids.astype(np.int64)
@@ -251,6 +253,17 @@ class Worker:
             self.profiler.mark("sampled")
         result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None, logprobs, prompt_lp)
         return done + ([result] if result is not None else [])
+
+    def _set_masks(self, plan: msg.StepPlan) -> None:
+        """Structured outputs: each constrained sequence's allowed ids for the token it samples in this
+        step (a mask holds for one step; samplers without one in the plan have none)."""
+        for sid in self.masked:
+            s = self.samplers.get(sid)
+            if s is not None:
+                s.allow = None
+        self.masked = [int(sid) for sid in (plan.masks or {})]
+        for sid, m in (plan.masks or {}).items():
+            self.samplers[int(sid)].allow = bytes(m)
 
     def _finish_step(self, plan: msg.StepPlan, seq_ids: list[int], rows: list[int], sampled: list[int],
                      t0: float, fed: bool, logprobs: list | None = None,
@@ -387,6 +400,7 @@ class Worker:
         t0 = time.perf_counter()
         for sid, fields in plan.new_sampling.items():
             self.samplers[int(sid)] = SeqSampler(**fields)
+        self._set_masks(plan)
         for sid, ids in plan.spec_stops.items():
             self.stops[int(sid)] = frozenset(int(t) for t in ids)
         seq_ids = plan.seq_ids.tolist()
@@ -410,7 +424,7 @@ class Worker:
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
             if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),
                                         [s.greedy and not s.has_penalties and not s.banned and not s.bias and s.logprobs < 0
-                                         and s.prompt_logprobs < 0 for s in smp],
+                                         and s.prompt_logprobs < 0 and s.allow is None for s in smp],
                                         kv_tokens, stops):
                 return self._gpu_round(plan, batch, stops, ndraft, t0)
         out = self.model.forward(batch, self.state, logits="none", keep_columns=[n > 0 for n in ndraft])

@@ -260,9 +260,14 @@ class Coordinator:
         stops = frozenset(stop_ids) | frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= frozenset(self.spec.eos_token_ids)
+        for t in params.grammar_after:
+            if not 0 <= t < V:
+                raise ValueError(f"grammar_after token id {t!r} is outside the vocabulary [0, {V})")
         seq = Sequence(id=stream.id, prompt=prompt, params=params,
                        seed=params.seed if params.seed is not None else random.randrange(2**62),
                        max_new_tokens=min(params.max_new_tokens, room), stop_ids=stops)
+        if params.grammar is not None:
+            seq.constraint = self._constraint(params)
         need = self.scheduler.pages_for(seq)
         if need > self.config.kv_pages:
             raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV; the pool holds "
@@ -368,6 +373,16 @@ class Coordinator:
             except queue.Empty:
                 return True
 
+    def _constraint(self, params: SamplingParams):
+        """The request's grammar parser (structured outputs) over the model's tokenizer.json; ValueError
+        naming the problem when the model directory has none or the grammar cannot be used."""
+        from runtime import grammar
+        path = os.path.join(self.model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"structured outputs need the model's tokenizer: {path} is missing")
+        tok = grammar.llg_tokenizer(path, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
+        return grammar.Constraint(tok, params.grammar, tuple(params.grammar_after))
+
     def _send_plan(self, plan) -> None:
         """Send a step's StepPlan to every rank."""
         max_pages = max(len(s.pages) for s in plan.seqs)
@@ -395,8 +410,14 @@ class Coordinator:
                     and end < len(s.prompt):
                 prompt_next[s.id] = s.prompt[end]
         spec_stops = {s.id: sorted(s.stop_ids) for s in plan.new} if self.options.spec_draft_tokens else {}
+        masks = {}
+        for s, smp in zip(plan.seqs, plan.sample):
+            if smp and s.constraint is not None:
+                m = s.constraint.mask()
+                if m is not None:
+                    masks[s.id] = m
         step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, spec_stops=spec_stops,
-                            prompt_next=prompt_next,
+                            prompt_next=prompt_next, masks=masks,
                             **arrays)
         frames = step.to_frames()
         for r in range(self.tp):
@@ -431,6 +452,12 @@ class Coordinator:
                 s.new_prompt_logprobs = (s.new_prompt_logprobs or []) + list(entries)
         with self._lock:
             events = self.scheduler.commit(plan, sampled, drafts, lps)
+            for s, tokens, reason in events:            # structured outputs: the parser takes the tokens
+                if s.constraint is not None and tokens:
+                    s.constraint.advance(tokens)
+                    if s.constraint.error is not None and reason is None:
+                        # a token outside the mask (never expected): stop the request, not the engine
+                        self.scheduler.cancel(s, Status.FAILED, f"structured output failed: {s.constraint.error}")
         hook = self.options.spec_draft_hook
         if hook is not None and drafts is not None:                  # TEST-ONLY (EngineOptions)
             for s in plan.seqs:
@@ -438,7 +465,7 @@ class Coordinator:
                     s.drafts = list(hook(s, list(s.drafts)))
         for s, tokens, reason in events:
             self.counters["generated_tokens"] += len(tokens)
-            if reason is None:
+            if reason is None and not s.done:
                 self.streams[s.id]._push(Event(s.id, tokens, logprobs=_take_logprobs(s),
                                                prompt_logprobs=_take_prompt_logprobs(s)))
             else:

@@ -162,7 +162,7 @@ class Constraint:
         llg = _llg()
         self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise GrammarError(f"the output format cannot be used: {self.matcher.get_error()}")
+            raise GrammarError(f"the request's grammar cannot be used: {self.matcher.get_error()}")
         self.after = frozenset(after)
         self.active = not after                 # waiting for the end of reasoning otherwise
         self._pending = False                   # `after` seen: active from the next sampled token

@@ -165,7 +165,8 @@ class Scheduler:
             n = 0                                       # after forced close-of-thinking tokens)
             # speculation: [last token, d1..dn]; not inside a budgeted reasoning section (the budget
             # replaces sampled tokens there), never past max_new_tokens (which the context clamps)
-            if K and s.unfed == 1 and not s.thinking and s.drafts:
+            # a constrained sequence (structured outputs) needs each token before the next one's mask
+            if K and s.unfed == 1 and not s.thinking and s.drafts and s.constraint is None:
                 valid = next((i for i, d in enumerate(s.drafts) if d < 0), len(s.drafts))
                 n = max(0, min(K, valid, s.max_new_tokens - len(s.output) - 1, spare))
                 spare -= n
@@ -195,8 +196,8 @@ class Scheduler:
         column at the position after `inflight`'s, fed with the token the ranks sampled for it there.
 
         None (plan normally once `inflight` is committed) when that needs the result: speculation,
-        a sequence of `inflight` that does not sample or whose next token the thinking budget may
-        replace, a running sequence not in `inflight` (a prompt still waiting for its chunk), or a
+        a sequence of `inflight` that does not sample, whose next token the thinking budget may
+        replace or whose next token's allowed ids depend on this one (a grammar), a running sequence not in `inflight` (a prompt still waiting for its chunk), or a
         waiting request that could be admitted now. A sequence that ends by length in `inflight` is
         left out; one that ends otherwise (a stop id) costs the ranks one wasted column, which
         commit() ignores (the sequence is done by then)."""
@@ -211,7 +212,7 @@ class Scheduler:
         for s, c, smp in zip(inflight.seqs, inflight.columns, inflight.sample):
             if s.done:
                 continue
-            if not smp or s.thinking or s.computed + c != s.length:
+            if not smp or s.thinking or s.constraint is not None or s.computed + c != s.length:
                 return None
             if len(s.output) + 2 > s.max_new_tokens:     # its last token comes from `inflight`
                 continue

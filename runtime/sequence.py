@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.sampling import SamplingParams
 
@@ -48,6 +49,8 @@ class Sequence:
     new_logprobs: list | None = None
     # params.prompt_logprobs set: prompt entries (position 1 on) reported by the ranks, not yet in an event
     new_prompt_logprobs: list | None = None
+    # params.grammar set: the parser that gives each sampled token's allowed ids (runtime.grammar.Constraint)
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         self.thinking = self.params.thinking_budget is not None

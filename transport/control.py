@@ -171,6 +171,9 @@ class StepPlan(Message):
     # prompt_logprobs sequences in a prefill chunk that does not end the prompt: seq_id -> the prompt
     # token after the chunk (its last column's logprob entry is that token's)
     prompt_next: dict = field(default_factory=dict)
+    # structured outputs: seq_id -> the bitmask of ids its token of this step may take (bytes, bit i of
+    # byte i // 8 = id i; runtime.grammar), for constrained sequences that sample in the step
+    masks: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,255 @@
+"""Structured outputs in the engine (runtime.grammar, the coordinator's masks, the ranks' sampler).
+
+Independent checks: every finished output is validated by `jsonschema` / `re.fullmatch` / the list of
+choices (not by the grammar library that constrained it); every generated token is replayed through
+a fresh parser, which must accept it; a grammar that admits one string forces that exact text
+whatever the model prefers; unconstrained requests in the same steps are unchanged (the masks do not
+leak between rows, shards or steps). Sampler unit tests check the masked logits against a float
+formula on every vocabulary shard. The engine runs the embedded demo model (it has a tokenizer and
+an MTP head) on the CPU at tp 1 and 2, with speculation, steps planned after each result and
+device-fed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import zlib
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from ranks.demo import PACKAGED_DIR
+from ranks.sampler import SeqSampler, apply_penalties, sample_rows
+from runtime import Engine, EngineOptions, SamplingParams
+from runtime import grammar as G
+from runtime.tokenizer import Tokenizer
+from tests.conftest import BASE_SEED
+
+TIMEOUT = 180
+OPTS = dict(max_concurrency=8, max_pending=64, prefill_chunk=64, max_step_tokens=256, max_context=1024,
+            threads_per_rank=1, startup_timeout_s=180)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "colour"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,8} is [0-9]{2,3}\."
+CHOICES = ["alpha", "beta", "gamma delta"]
+
+
+def _seed(name: str) -> int:
+    return (BASE_SEED + zlib.crc32(name.encode())) % 2**31
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(PACKAGED_DIR)
+
+
+def _llg(tok):
+    from runtime.config import load_spec
+    spec = load_spec(PACKAGED_DIR)
+    return G.llg_tokenizer(f"{PACKAGED_DIR}/tokenizer.json", spec.vocab_size, tuple(spec.eos_token_ids)), spec
+
+
+def _cases(tok, rng):
+    """(name, prompt ids, params, check(text) -> None) for each grammar and sampler kind."""
+    prompts = ["Describe a person as JSON.", "Write a short sentence about a number.", "Pick one word."]
+    g_json = G.compile_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+                              "response_format")
+    g_obj = G.compile_format({"type": "json_object"}, "response_format")
+    g_re = G.regex_grammar(REGEX, "guided_regex")
+    g_ch = G.choice_grammar(CHOICES, "guided_choice")
+    samplers = [dict(temperature=0.0), dict(temperature=1.0, seed=rng.randrange(2**31)),
+                dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=rng.randrange(2**31))]
+
+    def json_ok(text):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+    def obj_ok(text):
+        assert isinstance(json.loads(text), dict), text
+
+    def re_ok(text):
+        assert re.fullmatch(REGEX, text), text
+
+    def ch_ok(text):
+        assert text in CHOICES, text
+
+    out = []
+    for i, (g, ok, p) in enumerate(((g_json, json_ok, 0), (g_obj, obj_ok, 0), (g_re, re_ok, 1), (g_ch, ch_ok, 2))):
+        for j, kw in enumerate(samplers):
+            ids = tok.encode(prompts[p] + " " * (j % 2))
+            out.append((f"g{i}s{j}", ids, SamplingParams(max_new_tokens=160, grammar=g, **kw), ok))
+    return out
+
+
+def _check(tok, llg_tok, eos, params, tokens, finish, ok):
+    """Every token passes a fresh parser; a finished output (end-of-sequence id last) is valid."""
+    m = G.Constraint(llg_tok, params.grammar)
+    for i, t in enumerate(tokens):
+        mask = m.mask()
+        assert G.mask_shard(mask, t, 1)[0], f"token {i} ({t}) was not allowed"
+        m.advance([t])
+        assert m.error is None, m.error
+    if finish == "stop":
+        assert tokens and tokens[-1] in eos, (tokens[-3:], finish)
+        ok(tok.decode(tokens[:-1]))
+    else:
+        assert finish == "length" and len(tokens) == params.max_new_tokens
+
+
+def _run(engine, reqs):
+    streams = [engine.submit(ids, params) for _, ids, params, _ in reqs]
+    return [s.result(timeout=TIMEOUT) for s in streams]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_constrained_outputs_follow_their_grammar(tok, tp):
+    """json_schema / json_object / regex / choice grammars under greedy, temperature and top-p with a
+    repetition penalty, eight at a time beside unconstrained requests, at tp 1 and 2 (each rank masks
+    its own vocabulary shard): every output is valid and finished, and the unconstrained requests
+    produce what they produce alone."""
+    llg_tok, spec = _llg(tok)
+    eos = set(spec.eos_token_ids)
+    reqs = _cases(tok, random.Random(_seed(f"structured-{tp}")))
+    free = [("free", tok.encode("Once upon a time"), SamplingParams(temperature=0.0, max_new_tokens=24,
+                                                                        ignore_eos=True), None)]
+    with Engine.start(PACKAGED_DIR, tp=tp, options=EngineOptions(**OPTS)) as eng:
+        alone = _run(eng, free)[0]
+        results = _run(eng, reqs[:4] + free + reqs[4:])
+    together = results.pop(4)
+    assert together.tokens == alone.tokens
+    for (name, _, params, ok), r in zip(reqs, results):
+        assert r.error is None, (name, r.error)
+        _check(tok, llg_tok, eos, params, r.tokens, r.finish_reason, ok)
+    # bounded grammars end well inside the budget; a free JSON object may run on in one long string
+    # (a valid prefix, checked above)
+    unfinished = [(n, tok.decode(r.tokens)) for (n, _, p, _), r in zip(reqs, results)
+                  if r.finish_reason != "stop" and not n.startswith("g1")]
+    assert not unfinished, unfinished
+
+
+def test_a_grammar_overrides_what_the_model_prefers(tok):
+    """A grammar of one string yields exactly that string, token by token, greedy and sampled, and the
+    same text with speculation on, steps planned after each result and device-fed steps."""
+    target = "zebra 42 quokka!"
+    g = G.regex_grammar(re.escape(target), "guided_regex")
+    ids = tok.encode("Hello")
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40, grammar=g),
+              SamplingParams(temperature=1.5, seed=7, max_new_tokens=40, grammar=g)]
+    for opts in (dict(), dict(spec_draft_tokens=3), dict(overlap_steps=False), dict(device_feed=True)):
+        with Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(**opts, **OPTS)) as eng:
+            free = eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+            got = [eng.submit(ids, p).result(timeout=TIMEOUT) for p in params]
+            free = free.result(timeout=TIMEOUT)
+        assert target not in tok.decode(free.tokens)           # the model on its own writes something else
+        for r in got:
+            assert r.error is None and r.finish_reason == "stop", (opts, r.error, r.finish_reason)
+            assert tok.decode(r.tokens[:-1]) == target, (opts, tok.decode(r.tokens))
+
+
+def test_speculation_and_fed_steps_keep_constrained_outputs_valid(tok):
+    """With MTP speculation (constrained sequences take no drafts; the others still speculate) and
+    device-fed steps, the same greedy constrained requests give the same tokens as plain steps."""
+    llg_tok, spec = _llg(tok)
+    reqs = [r for r in _cases(tok, random.Random(_seed("structured-spec"))) if r[2].temperature == 0.0]
+    free = ("free", tok.encode("The weather today"), SamplingParams(temperature=0.0, max_new_tokens=20,
+                                                                    ignore_eos=True), None)
+    outs = {}
+    for name, opts in (("plain", dict(overlap_steps=False)), ("spec", dict(spec_draft_tokens=3)),
+                       ("fed", dict(device_feed=True))):
+        with Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(**opts, **OPTS)) as eng:
+            res = _run(eng, reqs + [free])
+            if name == "spec":
+                assert eng.stats()["spec"]["drafted"] > 0      # the free request speculated
+        outs[name] = [r.tokens for r in res]
+        for (n, _, params, ok), r in zip(reqs, res):
+            _check(tok, llg_tok, set(spec.eos_token_ids), params, r.tokens, r.finish_reason, ok)
+    assert outs["spec"] == outs["plain"] and outs["fed"] == outs["plain"]
+
+
+def test_bad_grammars_are_refused_and_the_engine_keeps_serving(tok):
+    with Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(**OPTS)) as eng:
+        with pytest.raises(ValueError, match="grammar"):
+            eng.submit(tok.encode("x"), SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: ("}]}'))
+        with pytest.raises(ValueError, match="grammar_after"):
+            eng.submit(tok.encode("x"), SamplingParams(grammar=G.json_object_grammar(), grammar_after=(10**9,)))
+        r = eng.submit(tok.encode("x"), SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
+        assert len(r.result(timeout=TIMEOUT).tokens) == 3
+
+
+@pytest.mark.parametrize("fmt, field", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "schema": {"properties": {"a": {"$ref": "#/$defs/missing"}}}}, "response_format.schema"),
+    ({"type": "json_schema", "schema": [1, 2]}, "response_format.schema"),
+    ({"type": "yaml"}, "response_format.type"),
+    ("json", "response_format"),
+])
+def test_compile_format_names_the_bad_field(fmt, field):
+    with pytest.raises(G.GrammarError, match=re.escape(field)):
+        G.compile_format(fmt, "response_format")
+
+
+def test_text_format_is_no_grammar():
+    assert G.compile_format({"type": "text"}, "f") is None and G.compile_format(None, "f") is None
+
+
+def test_the_grammar_applies_after_the_end_of_reasoning(tok):
+    """grammar_after: no mask until that id is in the output; tokens inserted after it (the close of
+    a thinking budget) stay free; the next sampled token is constrained."""
+    llg_tok, _ = _llg(tok)
+    end = tok.encode("</think>") if tok.token_to_id("</think>") is None else [tok.token_to_id("</think>")]
+    assert len(end) == 1
+    c = G.Constraint(llg_tok, G.regex_grammar("ok", "r"), after=(end[0],))
+    assert c.mask() is None
+    c.advance(tok.encode("thinking hard"))
+    assert c.mask() is None
+    c.advance([end[0]] + tok.encode("\n\n"))
+    m = c.mask()
+    assert m is not None and c.active
+    allowed = np.nonzero(G.mask_shard(m, 0, len(m) * 8))[0]
+    assert all("ok".startswith(tok.decode([int(t)])) and tok.decode([int(t)]) for t in allowed), \
+        [tok.decode([int(t)]) for t in allowed]
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_masked_logits_are_the_logits_with_disallowed_ids_at_minus_inf(shards):
+    """apply_penalties with a mask, on each shard of a 300-id vocabulary (with a bias and a penalty
+    too): -inf exactly where the mask bit is 0, the unmasked formula elsewhere; sample_rows then picks
+    only allowed ids, greedy and sampled."""
+    rng = np.random.default_rng(_seed(f"mask-{shards}"))
+    V = 300
+    logits = torch.from_numpy(rng.normal(0, 3, V)).double()
+    allow = rng.random(V) < 0.1
+    allow[rng.integers(V)] = True
+    mask = np.packbits(allow, bitorder="little").tobytes()
+    base = dict(presence_penalty=0.5, bias=((3, 5.0), (250, -2.0)), seen={3: 1, 7: 2}, output={3: 1, 7: 2},
+                prompt_len=0)
+    n = V // shards
+    for r in range(shards):
+        lo = r * n
+        shard = logits[lo:lo + n]
+        got = apply_penalties(shard, SeqSampler(allow=mask, **base), lo)
+        want = apply_penalties(shard, SeqSampler(**base), lo)
+        keep = torch.from_numpy(allow[lo:lo + n])
+        assert torch.isneginf(got[~keep]).all()
+        assert torch.equal(got[keep], want[keep])
+    full = logits[None].float()
+    for s in (SeqSampler(temperature=0.0, allow=mask), SeqSampler(temperature=1.0, seed=3, allow=mask),
+              SeqSampler(temperature=1.0, top_p=0.5, seed=4, allow=mask)):
+        for pos in range(20):
+            t = sample_rows(full, [s], [pos], rank=0, tp=1, gather=None)[0]
+            assert allow[t], (s, pos, t)
+    t = sample_rows(full, [SeqSampler(temperature=0.0, allow=mask)], [0], rank=0, tp=1, gather=None)[0]
+    assert t == int(np.flatnonzero(allow)[np.argmax(logits.numpy()[allow])])
