@@ -253,3 +253,30 @@ def test_masked_logits_are_the_logits_with_disallowed_ids_at_minus_inf(shards):
             assert allow[t], (s, pos, t)
     t = sample_rows(full, [SeqSampler(temperature=0.0, allow=mask)], [0], rank=0, tp=1, gather=None)[0]
     assert t == int(np.flatnonzero(allow)[np.argmax(logits.numpy()[allow])])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(), dict(spec_draft_tokens=3), dict(device_feed=False)],
+                         ids=["fed", "spec", "plain"])
+def test_constrained_outputs_on_the_gpu(tok, opts):
+    """The demo model on the CUDA backend (bfloat16): the masks reach the GPU ranks' samplers on
+    device-fed steps (the default at tp 1), beside MTP speculation and GPU rounds (constrained rows
+    are kept out of them) and on plain steps; every output is valid, the one-string grammar forces
+    its text, and an unconstrained greedy request beside them equals its run alone."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    llg_tok, spec = _llg(tok)
+    reqs = _cases(tok, random.Random(_seed("structured-gpu")))
+    target = "zebra 42 quokka!"
+    forced = ("forced", tok.encode("Hello"), SamplingParams(temperature=0.0, max_new_tokens=40,
+                                                            grammar=G.regex_grammar(re.escape(target), "r")), None)
+    free = ("free", tok.encode("Once upon a time"), SamplingParams(temperature=0.0, max_new_tokens=24,
+                                                                   ignore_eos=True), None)
+    with Engine.start(PACKAGED_DIR, tp=1, device="cuda", dtype="bfloat16", options=EngineOptions(**opts, **OPTS)) as eng:
+        alone = _run(eng, [free])[0]
+        results = _run(eng, reqs + [forced, free])
+    assert results[-1].tokens == alone.tokens
+    assert results[-2].error is None and tok.decode(results[-2].tokens[:-1]) == target
+    for (name, _, params, ok), r in zip(reqs, results):
+        assert r.error is None, (name, r.error)
+        _check(tok, llg_tok, set(spec.eos_token_ids), params, r.tokens, r.finish_reason, ok)
