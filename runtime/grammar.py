@@ -149,7 +149,11 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]
         if tok is None:
             with open(tokenizer_json, encoding="utf-8") as f:
                 text = f.read()
-            tok = _llg().LLTokenizer(text, n_vocab=int(vocab_size), eos_token=list(key[2]))
+            eos = list(key[2])
+            try:
+                tok = _llg().LLTokenizer(text, n_vocab=int(vocab_size), eos_token=eos)
+            except TypeError:                      # llguidance < 1.7 takes one eos id
+                tok = _llg().LLTokenizer(text, n_vocab=int(vocab_size), eos_token=eos[0] if eos else None)
             _tokenizers[key] = tok
         return tok
 

@@ -558,7 +558,8 @@ def test_staged_route_is_taken_and_matches_the_reference(kind, seed, monkeypatch
 # its default slice counts; here every slice count, the slices' determinism, graph replays (the per-tile
 # counters reset themselves) and the GEMV kernels it replaces.
 
-GEMM_SHAPES = [(5120, 17408), (34816, 5120), (5120, 6144), (10240, 5120), (2048, 512), (300, 4160), (77, 1056)]
+GEMM_SHAPES = [(5120, 17408), (34816, 5120), (5120, 6144), (10240, 5120), (2048, 512), (300, 4160), (77, 1056),
+               (256, 64), (96, 128)]             # the tiny test models' rows (the ring at one or two iterations)
 
 
 def _modes(O):
