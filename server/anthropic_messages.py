@@ -13,6 +13,9 @@ tool_use blocks become tool_calls; unknown roles are users. Images are refused (
 an image inside a tool_result becomes a text placeholder so an agent's history stays valid.
 Usage: prompt = input + cache_read (+ cache_creation, always 0); message_start reports the whole prompt
 as input_tokens, message_delta carries the split once the cache hit is known.
+Structured outputs: output_config.format {type: "json_schema", schema} (or the beta's top-level
+output_format) constrains the text (server.structured): reasoning stays free, and with tools the model
+may call it is not applied; a schema that cannot be used is a 400 naming output_config.format.schema.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from server.reasoning_seal import ReasoningSeal
 from server.service import (EFFORTS, APIError, ChatRequest, ContentDelta, Finish, Prepared, ReasoningDelta, Sampling,
                             Service, ToolCallArgs, ToolCallEnd, ToolCallStart)
 from server.sse import KEEPALIVE, SSE_HEADERS, event, with_keepalive
+from server.structured import output_format
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +279,24 @@ def _thinking(raw: Any) -> tuple[bool | None, int | None, bool]:
     return True, budget, display == "omitted"
 
 
+def _output_format(body: dict, output_config: dict) -> str | None:
+    """output_config.format ({type: "json_schema", schema}), or the structured-outputs beta's top-level
+    output_format (the same object) -> a grammar (server.structured); at most one of them."""
+    fmt = output_config.get("format")
+    legacy = body.get("output_format")
+    if fmt is not None and legacy is not None:
+        raise _bad("output_format", "give the format once, in output_config.format")
+    field = "output_config.format" if legacy is None else "output_format"
+    value = legacy if legacy is not None else fmt
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad(field, f"must be an object, got {type(value).__name__}")
+    if value.get("type") not in ("json_schema", "json_object", "text"):
+        raise _bad(f"{field}.type", f"must be 'json_schema' (or 'json_object', 'text'), got {value.get('type')!r}")
+    return output_format(value, field)
+
+
 def parse_request(body: Any, seal: ReasoningSeal, *, count_only: bool = False) -> MessagesRequest:
     """An Anthropic request body -> MessagesRequest. Raises APIError 400 naming the field.
     count_only: the count_tokens body (no max_tokens)."""
@@ -297,6 +319,7 @@ def parse_request(body: Any, seal: ReasoningSeal, *, count_only: bool = False) -
     effort = _get(output_config, "effort", (str,), "output_config.")
     if effort is not None and effort not in EFFORTS:
         raise _bad("output_config.effort", f"must be one of {', '.join(EFFORTS)}, got {effort!r}")
+    grammar = _output_format(body, output_config)
     stop = _get(body, "stop_sequences", (list,), "") or []
     if not all(isinstance(s, str) for s in stop):
         raise _bad("stop_sequences", "must be a list of strings")
@@ -307,7 +330,7 @@ def parse_request(body: Any, seal: ReasoningSeal, *, count_only: bool = False) -
                         top_k=top_k)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel,
                        thinking=thinking, thinking_budget=budget, max_tokens=max_tokens, stop=list(stop),
-                       sampling=sampling, model=model, api="messages", tool_id_prefix="toolu_")
+                       sampling=sampling, model=model, api="messages", tool_id_prefix="toolu_", grammar=grammar)
     chat.stream = bool(_get(body, "stream", (bool,), "")) and not count_only
     return MessagesRequest(chat=chat, model=model, stream=chat.stream, omit_thinking=omit, effort=effort)
 

@@ -13,6 +13,8 @@ text_offset} (a stream chunk carries the tokens generated since the previous chu
 prompt's tokens come first (what scoring clients such as lm-eval's loglikelihood read): the first with
 token_logprobs / top_logprobs null, each other given the tokens before it; streamed, the echo chunk
 waits for the prefill and carries them. text_offset counts from the start of the echoed prompt.
+Structured outputs as in chat completions (response_format, guided_*, structured_outputs): the
+generated text (after any echo) follows the grammar from its first token.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from server import sse
 from server.disconnect import Guarded, until_disconnect
 from server.errors import openai_error_body
 from server import choices
+from server import structured
 from server.openai_chat import choices_field, sampling_fields, stream_options
 from server.service import (APIError, ContentDelta, Finish, Prepared, PromptLogprobs, Service, TextRequest,
                             TokenLogprobs)
@@ -99,9 +102,10 @@ def parse(body: dict[str, Any]) -> tuple[list[TextRequest], bool, int]:
     sampling.logprobs = logprobs
     sampling.prompt_logprobs = logprobs if echo else None      # echo + logprobs: the prompt's tokens too
     stop = f.stop("stop")
+    grammar = structured.openai_grammar(f)
     reqs = [TextRequest(prompt=p, max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                         stop=stop, sampling=dataclasses.replace(sampling), echo=echo, model=model,
-                        api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
+                        api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream, grammar=grammar)
             for p in prompts]
     return reqs, include_usage, n
 

@@ -7,6 +7,8 @@ decoded. A stop string ends it at the match (text from the match on is dropped) 
 request in the engine; so does the parser's stop_requested (parallel_tool_calls false). Closing the
 iterator early (client disconnect) cancels the request in the engine and is recorded as aborted
 (499 in logs and metrics). Usage counts every token the engine produced up to the end, EOS included.
+A request whose output follows a grammar (structured outputs) gets server.structured.RawContent as its
+parser: reasoning as usual, then the constrained content verbatim.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import AsyncIterator
 from runtime import parsing
 from server.service import (APIError, ChatRequest, ContentDelta, Delta, Finish, Prepared, PromptLogprobs,
                             ReasoningDelta, TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
+from server.structured import RawContent
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +100,13 @@ def engine_error(text: str) -> APIError:
     return APIError(503, "unavailable", f"the engine failed: {text}")
 
 
-def _parser(service, prepared: Prepared) -> parsing.OutputParser | None:
+def _parser(service, prepared: Prepared) -> parsing.OutputParser | RawContent | None:
     req = prepared.request
     if not isinstance(req, ChatRequest):
         return None
+    if getattr(prepared.params, "grammar", None) is not None:
+        # structured outputs: the content is the grammar's text, verbatim (no tools: see Service.output_grammar)
+        return RawContent(prepared.start, id_seed=prepared.request_id, id_prefix=req.tool_id_prefix)
     tools = [] if req.tool_choice == "none" or not req.tools else req.tools
     # a named tool_choice whose call the prompt opened is that one call: the output ends after it
     parallel = req.parallel_tool_calls and not (isinstance(req.tool_choice, dict) and prepared.forced_prefix)

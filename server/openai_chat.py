@@ -18,7 +18,15 @@ n (1..128): n choices, each its own engine request over the one rendered prompt 
 seed + i per choice when a seed is given); streamed, their chunks interleave, each choice's role chunk
 first and its finish chunk last; usage counts the prompt once.
 
-Unsupported and refused with a 400 naming the field: non-function tools. response_format is accepted (and not enforced: no constrained decoding). logit_bias ({"token
+Structured outputs (server/structured.py): response_format json_object / json_schema (the nested
+{"json_schema": {"name", "schema", "strict"}} form; the flat {"schema"} too), or one of the vLLM / SGLang
+extras guided_json, guided_regex, guided_choice, guided_grammar (Lark), structured_outputs {json | regex
+| choice | grammar | json_object}, compiled at parse time (a schema that cannot be used is a 400 naming
+its path; two constraints at once, a 400 naming the second). The content is then exactly the grammar's
+text; reasoning stays free (the grammar applies after </think>), and with tools that the model may call
+(tool_choice other than "none") the format is not applied.
+
+Unsupported and refused with a 400 naming the field: non-function tools. logit_bias ({"token
 id": bias in [-100, 100]}, at most 300 ids; null or {} for none) is added to those ids' raw logits
 before penalties, temperature and filters, greedy included (as vLLM does); a malformed one, or an id
 outside the vocabulary, is a 400 naming logit_bias.
@@ -37,6 +45,7 @@ from runtime.sampling import MAX_TOP_LOGPROBS
 from server import choices
 from server import params as P
 from server import sse
+from server import structured
 from server.disconnect import Guarded, until_disconnect
 from server.errors import openai_error_body
 from server.service import (EFFORTS, APIError, ChatRequest, ContentDelta, Finish, Prepared, ReasoningDelta,
@@ -113,9 +122,7 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
     tools = P.tools(body.get("tools"))
     choice = P.tool_choice(body.get("tool_choice"), tools)
     parallel = f.boolean("parallel_tool_calls")
-    fmt = f.object("response_format")
-    if fmt is not None:
-        P.Fields(fmt, "response_format").string("type", required=True, choices=("text", "json_object", "json_schema"))
+    grammar = structured.openai_grammar(f)
     effort = f.string("reasoning_effort", choices=EFFORTS)
     thinking, budget = service.thinking_for_effort(effort)
     enable = f.boolean("enable_thinking")                  # DashScope / Qwen convention, top level
@@ -137,7 +144,7 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
         thinking=thinking, preserve_thinking=f.boolean("preserve_thinking"), thinking_budget=budget,
         chat_template_kwargs={k: v for k, v in kwargs.items() if v is not None},
         max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling,
-        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream)
+        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream, grammar=grammar)
     return req, Options(stream, include_usage, include_reasoning is not False, n)
 
 

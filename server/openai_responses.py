@@ -24,6 +24,10 @@ top_logprobs: [{token, logprob, bytes}]}, under the model's raw distribution (be
 filters, as Chat Completions); tokens of reasoning, tool calls and markup are in no part (see
 server.responses_output). A `top_logprobs` out of range or not an integer is a 400 naming it; the
 response object echoes `top_logprobs` as sent. Requests that do not ask get `logprobs: []`.
+
+Structured outputs: `text.format` json_object or json_schema ({type, name, schema, strict}) constrains the
+message text (server.structured; reasoning stays free, and with callable tools it is not applied); a
+schema that cannot be used is a 400 naming text.format.schema.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from server.responses_output import CUSTOM_INPUT, ResponseBuilder, ToolSet, item
 from server.service import EFFORTS, APIError, ChatRequest, Finish, Prepared, Sampling, Service
 from runtime.sampling import MAX_TOP_LOGPROBS
 from server.sse import event, sse_response
+from server.structured import output_format
 
 log = logging.getLogger(__name__)
 
@@ -350,12 +355,14 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     if max_output is not None and max_output < 1:
         raise _bad("max_output_tokens", f"must be >= 1, got {max_output}")
     text = _get(body, "text", (dict,))
-    if text is not None and text.get("format") is not None:      # accepted, not enforced (as Chat's response_format)
+    grammar = None
+    if text is not None and text.get("format") is not None:      # structured outputs (server.structured)
         fmt = text["format"]
         if not isinstance(fmt, dict):
             raise _bad("text.format", f"must be an object, got {type(fmt).__name__}")
         if fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise _bad("text.format.type", f"must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}")
+        grammar = output_format(fmt, "text.format")
     reasoning = _get(body, "reasoning", (dict,)) or {}
     effort = _get(reasoning, "effort", (str,), "reasoning.")
     if effort is not None and effort not in EFFORTS:
@@ -388,7 +395,7 @@ def parse_request(body: Any, store: ResponseStore, seal: ReasoningSeal, *, count
     stream = bool(_get(body, "stream", (bool,))) and not count_only
     chat = ChatRequest(messages=messages, tools=tools.functions or None, tool_choice=tool_choice,
                        parallel_tool_calls=parallel is not False, max_tokens=max_output, sampling=sampling,
-                       model=model, api="responses", stream=stream)
+                       model=model, api="responses", stream=stream, grammar=grammar)
     echo = {"instructions": instructions, "max_output_tokens": max_output, "model": model,
             "parallel_tool_calls": parallel is not False, "previous_response_id": previous_id,
             "reasoning": {"effort": effort, "summary": summary}, "store": store_it is not False,

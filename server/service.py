@@ -95,6 +95,9 @@ class ChatRequest:
     tool_id_prefix: str = "call_"
     ignore_eos: bool = False
     stream: bool = False                    # for logs only
+    # structured outputs: the request's output format compiled by server.structured (an llguidance grammar),
+    # None for free text; applied after the reasoning, and only when the model may not call a tool
+    grammar: str | None = None
 
 
 @dataclass
@@ -109,6 +112,7 @@ class TextRequest:
     api: str = "completions"
     ignore_eos: bool = False
     stream: bool = False
+    grammar: str | None = None              # structured outputs (server.structured); None for free text
 
 
 @dataclass
@@ -470,6 +474,18 @@ class Service:
             raise APIError(400, "invalid_request", "the prompt is empty: give at least one token", param="prompt")
         return text, ids, "content", "prompt"
 
+    @staticmethod
+    def output_grammar(req: ChatRequest | TextRequest) -> str | None:
+        """The grammar the output must follow: the request's output format, except when tools are offered
+        and tool_choice lets the model call one (a format would forbid the call's markup; the tool-call
+        parser handles that output)."""
+        grammar = getattr(req, "grammar", None)
+        if grammar is None:
+            return None
+        if isinstance(req, ChatRequest) and req.tools and req.tool_choice != "none":
+            return None
+        return grammar
+
     def _sampling_params(self, prepared: Prepared):
         from runtime.sampling import SamplingParams
 
@@ -494,6 +510,11 @@ class Service:
             # the tools stay in the prompt (its cache), the call stays out of the output (api.md §6.9)
             values["banned_token_ids"] = (self.tool_call_id,)
         names = {f.name for f in dataclasses.fields(SamplingParams)}
+        grammar = self.output_grammar(req)
+        if grammar is not None:
+            values["grammar"] = grammar
+            if prepared.start == "reasoning" and self.think_end_id is not None:
+                values["grammar_after"] = (self.think_end_id,)      # reasoning is never constrained
         budget = getattr(req, "thinking_budget", None)
         if budget is not None and prepared.start == "reasoning" and "thinking_budget" in names \
                 and self.think_end_id is not None:
@@ -578,6 +599,9 @@ class Service:
             fields.update(thinking=prepared.start == "reasoning", thinking_budget=req.thinking_budget,
                           tools=len(req.tools or ()), tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
                           forced_call=bool(prepared.forced_prefix), messages=len(req.messages))
+        if getattr(req, "grammar", None) is not None:
+            # structured outputs: "not_applied" when the model may call a tool (Service.output_grammar)
+            fields["output_format"] = "applied" if getattr(p, "grammar", None) else "not_applied"
         self.request_log.event("request_start", **self._who(prepared), **fields)
 
     def request_done(self, prepared: Prepared, finish: Finish) -> None:
