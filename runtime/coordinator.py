@@ -267,7 +267,7 @@ class Coordinator:
                        seed=params.seed if params.seed is not None else random.randrange(2**62),
                        max_new_tokens=min(params.max_new_tokens, room), stop_ids=stops)
         if params.grammar is not None:
-            seq.constraint = self._constraint(params)
+            seq.constraint = self._constraint(params, stops)
         need = self.scheduler.pages_for(seq)
         if need > self.config.kv_pages:
             raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV; the pool holds "
@@ -373,14 +373,16 @@ class Coordinator:
             except queue.Empty:
                 return True
 
-    def _constraint(self, params: SamplingParams):
-        """The request's grammar parser (structured outputs) over the model's tokenizer.json; ValueError
-        naming the problem when the model directory has none or the grammar cannot be used."""
+    def _constraint(self, params: SamplingParams, stops: frozenset[int]):
+        """The request's grammar parser (structured outputs) over the model's tokenizer.json, ending on
+        the request's stop ids (the model's eos ids when ignore_eos drops them); ValueError naming the
+        problem when the model directory has none or the grammar cannot be used."""
         from runtime import grammar
         path = os.path.join(self.model_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise ValueError(f"structured outputs need the model's tokenizer: {path} is missing")
-        tok = grammar.llg_tokenizer(path, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
+        ends = tuple(t for t in stops if 0 <= t < self.spec.vocab_size) or tuple(self.spec.eos_token_ids)
+        tok = grammar.llg_tokenizer(path, self.spec.vocab_size, ends)
         return grammar.Constraint(tok, params.grammar, tuple(params.grammar_after))
 
     def _send_plan(self, plan) -> None:
@@ -458,6 +460,10 @@ class Coordinator:
                     if s.constraint.error is not None and reason is None:
                         # a token outside the mask (never expected): stop the request, not the engine
                         self.scheduler.cancel(s, Status.FAILED, f"structured output failed: {s.constraint.error}")
+                    elif s.constraint.complete and reason is None:
+                        # the document is whole: end here rather than sample an end id (with
+                        # ignore_eos one would not end it)
+                        self.scheduler.finish(s, "stop")
         hook = self.options.spec_draft_hook
         if hook is not None and drafts is not None:                  # TEST-ONLY (EngineOptions)
             for s in plan.seqs:

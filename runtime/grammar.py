@@ -136,17 +136,23 @@ def compile_format(fmt: dict | None, field: str) -> str | None:
 # The coordinator's side: one parser per constrained sequence
 
 _tokenizers: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+_whitespace: dict[int, tuple[Any, bytes]] = {}
 _tok_lock = threading.Lock()
+MAX_TOKENIZERS = 8                      # distinct (file, vocabulary, end ids) kept
+LEAD_WHITESPACE = 2                     # whitespace tokens a model may write between </think> and the grammar
 
 
 def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
     """llguidance's view of a tokenizer (its token byte strings; ~1 s to build for a 248k vocabulary,
-    so kept per (file, vocabulary size, eos ids)). vocab_size is the model's (the logits' width),
-    which may exceed the tokenizer's: ids past it are never allowed."""
+    so kept per (file, vocabulary size, end ids): the end ids are the ones a complete output may end
+    with, a request's stop ids). vocab_size is the model's (the logits' width), which may exceed the
+    tokenizer's: ids past it are never allowed."""
     key = (tokenizer_json, int(vocab_size), tuple(sorted(eos_ids)))
     with _tok_lock:
         tok = _tokenizers.get(key)
         if tok is None:
+            if len(_tokenizers) >= MAX_TOKENIZERS:
+                _tokenizers.pop(next(iter(_tokenizers)))
             with open(tokenizer_json, encoding="utf-8") as f:
                 text = f.read()
             eos = list(key[2])
@@ -158,39 +164,79 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]
         return tok
 
 
+def whitespace_mask(tokenizer) -> bytes:
+    """The bitmask of ids whose text is whitespace only (spaces, newlines, tabs), special ids excluded."""
+    key = id(tokenizer)
+    with _tok_lock:
+        m = _whitespace.get(key, (None, None))[1]
+    if m is None:
+        n = tokenizer.vocab_size
+        bits = np.zeros(-(-n // 32) * 32, dtype=bool)
+        for i in range(n):
+            if not tokenizer.is_special_token(i):
+                b = tokenizer.decode_bytes([i])
+                bits[i] = bool(b) and not b.strip(b" \t\n\r")
+        m = np.packbits(bits, bitorder="little").tobytes()
+        with _tok_lock:
+            _whitespace[key] = (tokenizer, m)        # the reference keeps the id from being reused
+    return m
+
+
 class Constraint:
     """One sequence's grammar state. `mask()` before a step that samples the sequence, `advance()`
-    with the tokens the step added (sampled or inserted)."""
+    with the tokens the step added (sampled or inserted). With `after` ids (the end of reasoning), the
+    grammar starts at the first sampled token after one of them; up to LEAD_WHITESPACE whitespace-only
+    tokens may come first (models write "\n\n" after </think>)."""
 
     def __init__(self, tokenizer, grammar: str, after: tuple[int, ...] = ()):
         llg = _llg()
         self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"the request's grammar cannot be used: {self.matcher.get_error()}")
+        self.tokenizer = tokenizer
         self.after = frozenset(after)
         self.active = not after                 # waiting for the end of reasoning otherwise
-        self._pending = False                   # `after` seen: active from the next sampled token
+        self._pending = False                   # `after` seen: the grammar (or lead whitespace) next
+        self._lead = 0                          # whitespace tokens taken before the grammar
 
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
+    @property
+    def complete(self) -> bool:
+        """The grammar can take nothing more (the output is whole: end the request)."""
+        return self.active and self.matcher.is_stopped() and not self.matcher.is_error()
+
     def mask(self) -> bytes | None:
         """The allowed ids of the next sampled token (bit i of byte i // 8 = id i), None while the
         grammar does not apply yet."""
-        if not self.active:
-            if not self._pending:
-                return None
-            self.active = True
-        return self.matcher.compute_bitmask()
+        if not self.active and not self._pending:
+            return None
+        m = self.matcher.compute_bitmask()
+        if not self.active and self._lead < LEAD_WHITESPACE:
+            ws = np.frombuffer(whitespace_mask(self.tokenizer), dtype=np.uint8)
+            own = np.frombuffer(m, dtype=np.uint8)
+            k = min(ws.size, own.size)
+            m = (np.concatenate([own[:k] | ws[:k], own[k:]])).tobytes()
+        return m
 
     def advance(self, tokens: list[int]) -> None:
         """Tokens appended to the output (sampled under the last mask, or inserted without sampling)."""
         for t in tokens:
+            t = int(t)
             if self.active:
-                self.matcher.consume_token(int(t))
+                self.matcher.consume_token(t)
+            elif self._pending:
+                b = self.tokenizer.decode_bytes([t])
+                if self._lead < LEAD_WHITESPACE and b and not b.strip(b" \t\n\r") \
+                        and not self.tokenizer.is_special_token(t):
+                    self._lead += 1             # whitespace before the document: not the grammar's
+                else:
+                    self.active = True
+                    self.matcher.consume_token(t)
             elif t in self.after:
-                self._pending = True            # tokens inserted after it (close-of-thinking) stay free
+                self._pending = True
 
 
 def mask_shard(mask: bytes, offset: int, n: int) -> np.ndarray:

@@ -263,11 +263,15 @@ class Scheduler:
                 if reason is not None:
                     break
             if reason is not None:
-                s.finish_reason = reason
-                self._release(s)
-                s.status, s.finished_at = Status.FINISHED, time.monotonic()
+                self.finish(s, reason)
             events.append((s, added, reason))
         return events
+
+    def finish(self, s: Sequence, reason: str) -> None:
+        """End a running sequence normally (`reason`: stop or length), freeing its slot and pages."""
+        s.finish_reason = reason
+        self._release(s)
+        s.status, s.finished_at = Status.FINISHED, time.monotonic()
 
     # ---- internals --------------------------------------------------------------------------------
 

@@ -102,9 +102,9 @@ def _check(tok, llg_tok, eos, params, tokens, finish, ok):
         assert G.mask_shard(mask, t, 1)[0], f"token {i} ({t}) was not allowed"
         m.advance([t])
         assert m.error is None, m.error
-    if finish == "stop":
-        assert tokens and tokens[-1] in eos, (tokens[-3:], finish)
-        ok(tok.decode(tokens[:-1]))
+    if finish == "stop":                  # ended at an end id, or where the grammar could take no more
+        assert tokens[-1] in eos or m.complete, (tokens[-3:], finish)
+        ok(tok.decode(tokens[:-1] if tokens[-1] in eos else tokens))
     else:
         assert finish == "length" and len(tokens) == params.max_new_tokens
 
@@ -156,7 +156,7 @@ def test_a_grammar_overrides_what_the_model_prefers(tok):
         assert target not in tok.decode(free.tokens)           # the model on its own writes something else
         for r in got:
             assert r.error is None and r.finish_reason == "stop", (opts, r.error, r.finish_reason)
-            assert tok.decode(r.tokens[:-1]) == target, (opts, tok.decode(r.tokens))
+            assert tok.decode(r.tokens) == target, (opts, tok.decode(r.tokens))   # ended when complete
 
 
 def test_speculation_and_fed_steps_keep_constrained_outputs_valid(tok):
@@ -177,6 +177,41 @@ def test_speculation_and_fed_steps_keep_constrained_outputs_valid(tok):
         for (n, _, params, ok), r in zip(reqs, res):
             _check(tok, llg_tok, set(spec.eos_token_ids), params, r.tokens, r.finish_reason, ok)
     assert outs["spec"] == outs["plain"] and outs["fed"] == outs["plain"]
+
+
+def test_a_complete_output_ends_the_request_even_with_ignore_eos(tok):
+    """A grammar that can take nothing more ends the request ("stop") without an end id, so ignore_eos
+    cannot pad a finished document with end tokens."""
+    ends = set(_llg(tok)[1].eos_token_ids) | set(tok.eos_token_ids)
+    with Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(**OPTS)) as eng:
+        for p in (SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True,
+                                 grammar=G.choice_grammar(CHOICES, "c")),
+                  SamplingParams(temperature=1.0, seed=5, max_new_tokens=30, ignore_eos=True,
+                                 grammar=G.regex_grammar(REGEX, "r"))):
+            r = eng.submit(tok.encode("Pick one word."), p).result(timeout=TIMEOUT)
+            assert r.finish_reason == "stop" and r.tokens[-1] not in ends, tok.decode(r.tokens)
+            text = tok.decode(r.tokens)
+            assert text in CHOICES or re.fullmatch(REGEX, text), text
+
+
+def test_whitespace_may_precede_the_grammar_after_reasoning(tok):
+    """After </think> up to two whitespace-only tokens are allowed (and not fed to the grammar); the
+    third must be the grammar's."""
+    llg_tok, _ = _llg(tok)
+    end = tok.token_to_id("</think>")
+    nl = tok.encode("\n\n")
+    assert end is not None and len(nl) == 1
+    c = G.Constraint(llg_tok, G.regex_grammar("ok", "r"), after=(end,))
+    c.advance([end])
+    first = G.mask_shard(c.mask(), 0, llg_tok.vocab_size)
+    ok_id = tok.encode("ok")
+    assert len(ok_id) == 1 and first[nl[0]] and first[ok_id[0]] and first.sum() == 1 + G.mask_shard(
+        G.whitespace_mask(llg_tok), 0, llg_tok.vocab_size).sum()
+    c.advance(nl + nl)
+    third = G.mask_shard(c.mask(), 0, llg_tok.vocab_size)
+    assert not third[nl[0]] and third[ok_id[0]] and third.sum() == 1
+    c.advance(tok.encode("ok"))
+    assert c.complete and c.error is None
 
 
 def test_bad_grammars_are_refused_and_the_engine_keeps_serving(tok):
@@ -217,10 +252,10 @@ def test_the_grammar_applies_after_the_end_of_reasoning(tok):
     assert c.mask() is None
     c.advance([end[0]] + tok.encode("\n\n"))
     m = c.mask()
-    assert m is not None and c.active
+    assert m is not None and not c.active          # the grammar or (still) whitespace
     allowed = np.nonzero(G.mask_shard(m, 0, len(m) * 8))[0]
-    assert all("ok".startswith(tok.decode([int(t)])) and tok.decode([int(t)]) for t in allowed), \
-        [tok.decode([int(t)]) for t in allowed]
+    texts = [tok.decode([int(t)]) for t in allowed]
+    assert "ok" in texts and all(("ok".startswith(x) or not x.strip()) and x for x in texts), texts
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
@@ -276,7 +311,7 @@ def test_constrained_outputs_on_the_gpu(tok, opts):
         alone = _run(eng, [free])[0]
         results = _run(eng, reqs + [forced, free])
     assert results[-1].tokens == alone.tokens
-    assert results[-2].error is None and tok.decode(results[-2].tokens[:-1]) == target
+    assert results[-2].error is None and tok.decode(results[-2].tokens) == target
     for (name, _, params, ok), r in zip(reqs, results):
         assert r.error is None, (name, r.error)
         _check(tok, llg_tok, set(spec.eos_token_ids), params, r.tokens, r.finish_reason, ok)
