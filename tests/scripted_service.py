@@ -192,3 +192,24 @@ def tiny_app(model_dir) -> Iterator[str]:
             yield url
     finally:
         service.shutdown()
+
+
+@contextlib.contextmanager
+def demo_app(max_concurrency: int = 4, max_context: int = 4096) -> Iterator[tuple[str, Any]]:
+    """The real app over a real Service and Engine on the embedded demo model (tp 1, CPU); yields
+    (base URL, service)."""
+    from ranks.demo import PACKAGED_DIR
+    from runtime import Engine, EngineOptions
+    from runtime.tokenizer import Tokenizer, generation_defaults
+    from server.app import create_app
+    from server.service import Service
+
+    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(max_concurrency=max_concurrency,
+                                                                     max_context=max_context, threads_per_rank=1))
+    service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", max_context,
+                      generation_defaults(PACKAGED_DIR))
+    try:
+        with serve(create_app(service), lifespan="on") as url:
+            yield url, service
+    finally:
+        service.shutdown()

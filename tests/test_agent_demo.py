@@ -29,20 +29,10 @@ QUESTION = "What's the weather like in Paris?"
 
 @pytest.fixture(scope="module")
 def url():
-    from runtime import Engine, EngineOptions
-    from runtime.tokenizer import Tokenizer, generation_defaults
-    from server.app import create_app
-    from server.service import Service
-    from tests.scripted_service import serve
+    from tests.scripted_service import demo_app
 
-    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(max_concurrency=4, max_context=4096,
-                                                                     threads_per_rank=1))
-    service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", 4096, generation_defaults(PACKAGED_DIR))
-    try:
-        with serve(create_app(service), lifespan="on") as base:
-            yield base
-    finally:
-        service.shutdown()
+    with demo_app() as (base, _):
+        yield base
 
 
 def _answer_uses_the_result(text: str) -> None:

@@ -60,24 +60,14 @@ WEATHER_TOOL = {"type": "function", "function": {
 def srv():
     from types import SimpleNamespace
 
-    from runtime import Engine, EngineOptions
-    from runtime.tokenizer import Tokenizer, generation_defaults
-    from server.app import create_app
-    from server.service import Service
-    from tests.scripted_service import serve
+    from tests.scripted_service import demo_app
 
-    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(max_concurrency=4, max_context=4096,
-                                                                     threads_per_rank=1))
-    service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", 4096, generation_defaults(PACKAGED_DIR))
-    try:
-        with serve(create_app(service), lifespan="on") as url:
-            yield SimpleNamespace(url=url, service=service,
-                                  openai=openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                                       timeout=120),
-                                  anthropic=anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
-                                                                timeout=120))
-    finally:
-        service.shutdown()
+    with demo_app() as (url, service):
+        yield SimpleNamespace(url=url, service=service,
+                              openai=openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                                   timeout=120),
+                              anthropic=anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
+                                                            timeout=120))
 
 
 # ---- independent checks ---------------------------------------------------------------------------
