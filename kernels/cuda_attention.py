@@ -29,8 +29,6 @@ probabilities to bf16 before P.V; the kernel keeps them in fp32.)
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -345,7 +343,6 @@ _PF_SRC = "prefill_attention"
 _PF_DIMS = (64, 128, 256)        # head dims the kernel is instantiated for
 _PF_WARPS = (8, 4)               # 16 query rows per warp; 8 preferred (a K/V tile serves 128 rows)
 _SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without the opt-in attribute
-_DEV_ATTR_SMEM_OPTIN = 97        # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 
 def prefill_smem_bytes(D: int, warps: int, quant: bool) -> int:
@@ -357,16 +354,10 @@ def prefill_smem_bytes(D: int, warps: int, quant: bool) -> int:
     return smem
 
 
-@functools.lru_cache(maxsize=None)
 def _smem_optin(device: int) -> int:
     """Largest dynamic shared memory a block may opt in to on `device`."""
-    props = torch.cuda.get_device_properties(device)
-    v = getattr(props, "shared_memory_per_block_optin", None)
-    if v:
-        return int(v)
     try:
-        import cupy
-        return int(cupy.cuda.runtime.deviceGetAttribute(_DEV_ATTR_SMEM_OPTIN, device))
+        return L.device_attribute(device, "shared_memory_per_block_optin", L.DEV_ATTR_SMEM_OPTIN)
     except Exception:  # noqa: BLE001
         return _SMEM_DEFAULT
 

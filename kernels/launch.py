@@ -466,23 +466,25 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_DEV_ATTR_SMEM_PER_SM = 81                              # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+DEV_ATTR_SMEM_PER_SM = 81                               # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+DEV_ATTR_SMEM_OPTIN = 97                                # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
+@functools.lru_cache(maxsize=None)
+def device_attribute(device: int, prop: str, attr: int) -> int:
+    """A device property: torch's `prop` where its properties have it, else CUDA attribute `attr`."""
+    v = getattr(torch.cuda.get_device_properties(device), prop, None)
+    if v:
+        return int(v)
+    import cupy
+    return int(cupy.cuda.runtime.deviceGetAttribute(attr, device))
 
 
 def smem_per_sm(device: int | None = None) -> int:
     """Shared memory per SM in bytes (228 KiB on H100 / H200, 100 KiB on sm_86 / 89 / 120 boards)."""
     if device is None:
         device = torch.cuda.current_device()
-    return _smem_per_sm(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_per_sm(device: int) -> int:
-    v = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", None)
-    if v:
-        return int(v)
-    import cupy
-    return int(cupy.cuda.runtime.deviceGetAttribute(_DEV_ATTR_SMEM_PER_SM, device))
+    return device_attribute(device, "shared_memory_per_multiprocessor", DEV_ATTR_SMEM_PER_SM)
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -22,7 +22,6 @@ request with an output format is refused with a message that says so.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from typing import Any
@@ -136,7 +135,6 @@ def compile_format(fmt: dict | None, field: str) -> str | None:
 # The coordinator's side: one parser per constrained sequence
 
 _tokenizers: dict[tuple[str, int, tuple[int, ...]], Any] = {}
-_whitespace: dict[int, tuple[Any, bytes]] = {}
 _tok_lock = threading.Lock()
 MAX_TOKENIZERS = 8                      # distinct (file, vocabulary, end ids) kept
 LEAD_WHITESPACE = 2                     # whitespace tokens a model may write between </think> and the grammar
@@ -165,21 +163,10 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]
 
 
 def whitespace_mask(tokenizer) -> bytes:
-    """The bitmask of ids whose text is whitespace only (spaces, newlines, tabs), special ids excluded."""
-    key = id(tokenizer)
-    with _tok_lock:
-        m = _whitespace.get(key, (None, None))[1]
-    if m is None:
-        n = tokenizer.vocab_size
-        bits = np.zeros(-(-n // 32) * 32, dtype=bool)
-        for i in range(n):
-            if not tokenizer.is_special_token(i):
-                b = tokenizer.decode_bytes([i])
-                bits[i] = bool(b) and not b.strip(b" \t\n\r")
-        m = np.packbits(bits, bitorder="little").tobytes()
-        with _tok_lock:
-            _whitespace[key] = (tokenizer, m)        # the reference keeps the id from being reused
-    return m
+    """The bitmask of ids whose text is whitespace only (spaces, newlines, tabs; no special ids): the
+    first-token mask of a whitespace grammar, one parser step."""
+    return _llg().LLMatcher(tokenizer, _llg().LLMatcher.grammar_from_regex(r"[ \t\n\r]+"),
+                            log_level=0).compute_bitmask()
 
 
 class Constraint:
@@ -193,8 +180,9 @@ class Constraint:
         self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"the request's grammar cannot be used: {self.matcher.get_error()}")
-        self.tokenizer = tokenizer
         self.after = frozenset(after)
+        # whitespace-only ids: allowed (and not fed to the grammar) right after the end of reasoning
+        self._ws = np.frombuffer(whitespace_mask(tokenizer), dtype=np.uint8) if after else None
         self.active = not after                 # waiting for the end of reasoning otherwise
         self._pending = False                   # `after` seen: the grammar (or lead whitespace) next
         self._lead = 0                          # whitespace tokens taken before the grammar
@@ -215,10 +203,7 @@ class Constraint:
             return None
         m = self.matcher.compute_bitmask()
         if not self.active and self._lead < LEAD_WHITESPACE:
-            ws = np.frombuffer(whitespace_mask(self.tokenizer), dtype=np.uint8)
-            own = np.frombuffer(m, dtype=np.uint8)
-            k = min(ws.size, own.size)
-            m = (np.concatenate([own[:k] | ws[:k], own[k:]])).tobytes()
+            m = (np.frombuffer(m, dtype=np.uint8) | self._ws).tobytes()     # both over the same vocabulary
         return m
 
     def advance(self, tokens: list[int]) -> None:
@@ -228,9 +213,7 @@ class Constraint:
             if self.active:
                 self.matcher.consume_token(t)
             elif self._pending:
-                b = self.tokenizer.decode_bytes([t])
-                if self._lead < LEAD_WHITESPACE and b and not b.strip(b" \t\n\r") \
-                        and not self.tokenizer.is_special_token(t):
+                if self._lead < LEAD_WHITESPACE and t < 8 * self._ws.size and (self._ws[t >> 3] >> (t & 7)) & 1:
                     self._lead += 1             # whitespace before the document: not the grammar's
                 else:
                     self.active = True
@@ -246,12 +229,3 @@ def mask_shard(mask: bytes, offset: int, n: int) -> np.ndarray:
     have = max(0, min(n, bits.size - offset))
     out[:have] = bits[offset:offset + have].astype(bool)
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    try:
-        _llg()
-    except GrammarError:
-        return False
-    return True
