@@ -38,7 +38,7 @@ Tensor = torch.Tensor
 NORM_MAXV = 4                 # norm.cu: 16-byte vectors per thread (fast path)
 NORM_MAXS = 16                # norm.cu: elements per thread (generic path)
 NORM_MAX_E = 16384            # the documented limit (the fast path would take up to 32768)
-ROUTE_MAX_X = 512             # moe.cu: 32 lanes * ROUTE_MAXJ
+ROUTE_MAX_X = 512             # moe.cu ROUTE_MAX_X: threads of the route kernel's block
 ROUTE_MAX_K = 32
 MOE_THREADS = 256             # 8 warps: 8 output rows per CTA
 SMEM_LIMIT = 48 * 1024        # dynamic shared memory without the opt-in attribute
@@ -235,8 +235,8 @@ def moe_route(logits: Tensor, top_k: int, weights_out: Tensor | None = None,
     dev = _same_device(logits=logits, weights_out=weights_out, ids_out=ids_out)
     if N == 0:
         return weights_out, ids_out
-    warps = 4
-    launch(kernel("moe", "moe_route_topk", dev), (_cdiv(N, warps),), (32 * warps,),
+    threads = 32 * _cdiv(X - extra, 32)                # a thread per routed logit, one block per token
+    launch(kernel("moe", "moe_route_topk", dev), (N,), (threads,),
            (weights_out, ids_out, logits, int(logits.dtype == torch.float32), N, X, int(top_k), int(shared)),
            device=dev, pdl=True)
     return weights_out, ids_out

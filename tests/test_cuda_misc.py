@@ -180,7 +180,7 @@ def _rule_topk(logits: torch.Tensor, k: int):
 
 
 @pytest.mark.parametrize("N,E,X,A", [(1, 2048, 256, 8), (64, 2048, 256, 8), (7, 24, 8, 2), (5, 40, 40, 3),
-                                     (9, 64, 512, 8), (3, 64, 32, 32)])
+                                     (9, 64, 512, 8), (3, 64, 32, 32), (2, 64, 512, 32), (4, 64, 300, 20)])
 @pytest.mark.parametrize("logit_dtype", [BF16, torch.float32])
 def test_moe_route(N, E, X, A, logit_dtype, seed):
     cm = _cm()
@@ -291,6 +291,10 @@ def test_moe_route_ties_go_to_lower_id():
     assert ids[2] == list(range(8))
     assert ids[3][:3] == [31, 32, 33]
     assert torch.equal(w[2].float().cpu(), torch.full((8,), 0.125))
+    nan = torch.full((1, X), -1.0, dtype=torch.float32, device="cuda")
+    nan[0, [3, 100]] = float("nan")                 # a NaN logit makes the softmax NaN: ids stay valid, distinct
+    _, ids_n = cm.moe_route(nan, 8)
+    assert sorted(set(ids_n.cpu().tolist()[0])) == sorted(ids_n.cpu().tolist()[0]) and int(ids_n.max()) < X
     w2, ids2 = cm.moe_route(logits[:1, :], 3)       # fp32 logits, k = 3
     assert ids2.cpu().tolist() == [[5, 37, 64]]
     assert torch.allclose(w2.float().cpu(), torch.full((1, 3), 1 / 3), atol=2e-3)

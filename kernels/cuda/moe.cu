@@ -1,8 +1,9 @@
 // Mixture-of-experts: the router's softmax + top-k, and the routed experts for decode-sized batches.
 //
-// moe_route_topk:      one warp per token; softmax over X <= 512 router logits in fp32 (expf, per-lane
-//                      partial sums then an xor butterfly: the layout of torch's warp softmax), top-k by
-//                      k rounds of a warp argmax with ties to the lower expert id, renormalised to sum 1.
+// moe_route_topk:      one block per token, a thread per logit; softmax over X <= 512 router logits in
+//                      fp32 (expf, per-lane partial sums then an xor butterfly: the layout of torch's
+//                      warp softmax), the top k (ties to the lower expert id) by rank counting, then
+//                      renormalised to sum 1.
 // moe_gate_up_swiglu:  h[n, a, :] = bf16(bf16(silu(bf16(gate_e x_n))) * bf16(up_e x_n)), e = ids[n, a]:
 //                      one warp per output row j (the gate row j and the up row j of expert e), its
 //                      first loads issued before x is staged.
@@ -18,7 +19,7 @@
 // to [0, X) so that a bad id can never read out of bounds.
 #include "common.cuh"
 
-#define ROUTE_MAXJ 16        // router logits per lane: X <= 32 * ROUTE_MAXJ = 512
+#define ROUTE_MAX_X 512      // router logits per token (threads of the route kernel's block)
 #define GU_UNROLL 8          // 16-byte loads per lane per row in flight (gate + up: twice that)
 #define DOWN_UNROLL 24       // 16-byte loads per lane in flight in the down projection (9 slots of 512: 18)
 
@@ -29,80 +30,90 @@ __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
-// grid (ceil(N / warps per block)), block: a multiple of 32. logits [N, X] (bf16, or fp32 when
-// logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32; 1 <= K <= min(X, 32), X <= 512.
+// grid (N), block 32 * ceil(Xr / 32) threads (Xr = X, or X - 1 with shared; Xr <= 512): one block per
+// token. logits [N, X] (bf16, or fp32 when logits_f32), weights_out [N, K] bf16, ids_out [N, K] int32;
+// 1 <= K <= min(Xr, 32). Thread c holds logit c. The softmax: block max, p = expf(l - max), the sum
+// taken by warp 0 in the order of the earlier one-warp kernel (lane L adds p[L + 32 j] for j = 0, 1, ..,
+// then an xor butterfly), q = p / sum (NaN never wins: -inf). The top K in the order "larger q, then
+// lower id" in two rounds instead of K rounds of a warp argmax (which left one warp's dependent chain
+// as the kernel's whole time, 4.9 us a layer on the 35B-A3B): each warp ranks its 32 candidates by
+// shuffles and keeps its best K; then each of those nwarps * K candidates counts how many of them
+// beat it, and that count is its output slot. (Absent threads c >= Xr hold -inf with id c: every
+// present logit beats them.) The renormalisation sums the winners by a warp butterfly as before, so
+// ids and weights are the earlier kernel's bit for bit.
 // shared: the last logit column is the shared expert's gate, not a router logit: the top K come from
 // the first X - 1 columns, and slot K (weights_out and ids_out are [N, K + 1], K + 1 <= 32) holds the
 // shared expert as expert X - 1 with weight bf16(sigmoid(logit)), as torch.sigmoid rounds it.
 // (Routing inside the gate|up kernel instead, one launch fewer, was slower: every block waited for its
 // warp's top-k; 35B-A3B 3.68 against 3.41 ms at C = 1, 11.27 against 9.31 at C = 8, docs/perf.md.)
-extern "C" __global__ void moe_route_topk(bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32,
-                                          int N, int X, int K, int shared) {
+extern "C" __global__ void __launch_bounds__(ROUTE_MAX_X) moe_route_topk(
+        bf16_t* weights_out, int* ids_out, const void* logits, int logits_f32, int N, int X, int K, int shared) {
+    __shared__ float sp[ROUTE_MAX_X];                          // exp(l - max) of each logit
+    __shared__ float cv[ROUTE_MAX_X];                          // the warps' best K: value, id
+    __shared__ int ci[ROUTE_MAX_X];
+    __shared__ float wv[32];                                   // the winners in rank order
+    __shared__ int wi[32];
+    __shared__ float red[ROUTE_MAX_X / 32];
+    __shared__ float total_s;
     pdl_enter();
     const int ld = X;                                          // logits per row
     const int stride = K + (shared ? 1 : 0);                   // outputs per row
     if (shared) --X;
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= N) return;                                      // uniform per warp
+    const int row = blockIdx.x;
+    if (row >= N) return;                                      // uniform per block
+    const int c = threadIdx.x, lane = c & 31, warp = c >> 5, nwarps = blockDim.x >> 5;
     const float NEG_INF = moe_neg_inf();
     const long long base = (long long)row * ld;
-    float p[ROUTE_MAXJ];
-    float m = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXJ; ++j) {
-        const int c = lane + 32 * j;
-        float t = NEG_INF;
-        if (c < X)
-            t = logits_f32 ? reinterpret_cast<const float*>(logits)[base + c]
-                           : bf16_to_f32(reinterpret_cast<const bf16_t*>(logits)[base + c]);
-        p[j] = t;
-        m = fmaxf(m, t);
+    float v = NEG_INF;
+    if (c < X)
+        v = logits_f32 ? reinterpret_cast<const float*>(logits)[base + c]
+                       : bf16_to_f32(reinterpret_cast<const bf16_t*>(logits)[base + c]);
+    float m = warp_max(v);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nwarps; ++w) m = fmaxf(m, red[w]);   // a max: the order does not matter
+    float p = 0.f;
+    if (c < X) {
+        p = expf(__fsub_rn(v, m));
+        sp[c] = p;
     }
-    m = warp_max(m);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXJ; ++j) {
-        if (lane + 32 * j < X) {
-            p[j] = expf(__fsub_rn(p[j], m));
-            s = __fadd_rn(s, p[j]);
-        }
+    __syncthreads();
+    if (warp == 0) {
+        float s = 0.f;
+        for (int j = lane; j < X; j += 32) s = __fadd_rn(s, sp[j]);
+        s = warp_sum(s);                                        // the same bits in every lane
+        if (lane == 0) total_s = s;
     }
-    s = warp_sum(s);
-    unsigned taken = 0;                                        // bit j: element lane + 32 j taken or absent
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXJ; ++j) {
-        if (lane + 32 * j < X) {
-            const float q = __fdiv_rn(p[j], s);
-            p[j] = q == q ? q : NEG_INF;                       // NaN never wins (ids stay valid)
-        } else {
-            taken |= 1u << j;
-        }
+    __syncthreads();
+    float q = NEG_INF;
+    if (c < X) {
+        q = __fdiv_rn(p, total_s);
+        q = q == q ? q : NEG_INF;                              // NaN never wins (ids stay valid)
     }
-    float myv = 0.f;
-    int myi = 0;
-    for (int r = 0; r < K; ++r) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < ROUTE_MAXJ; ++j) {                  // lane's candidates in increasing id order
-            const int c = lane + 32 * j;
-            if (!((taken >> j) & 1u) && moe_better(p[j], c, bv, bi)) { bv = p[j]; bi = c; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (moe_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        // every lane now holds the same winner; its owner marks it taken
-        if ((bi & 31) == lane) taken |= 1u << ((unsigned)bi >> 5);
-        if (r == lane) { myv = bv; myi = bi; }
+    int r = 0;                                                 // rank in the warp
+#pragma unroll 8
+    for (int o = 0; o < 32; ++o) {
+        const float ov = __shfl_sync(0xffffffffu, q, o);
+        r += moe_better(ov, warp * 32 + o, q, c) ? 1 : 0;
     }
-    const float total = warp_sum(lane < K ? myv : 0.f);
+    if (r < K) { cv[warp * K + r] = q; ci[warp * K + r] = c; }
+    __syncthreads();
+    const int nc = nwarps * K;                                 // <= blockDim.x
+    if (c < nc) {
+        const float mv = cv[c];
+        const int mi = ci[c];
+        int rank = 0;
+        for (int u = 0; u < nc; ++u) rank += moe_better(cv[u], ci[u], mv, mi) ? 1 : 0;
+        if (rank < K) { wv[rank] = mv; wi[rank] = mi; }
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    const float myv = lane < K ? wv[lane] : 0.f;
+    const float total = warp_sum(myv);
     if (lane < K) {
         weights_out[(long long)row * stride + lane] = f32_to_bf16(__fdiv_rn(myv, total));
-        ids_out[(long long)row * stride + lane] = myi;
+        ids_out[(long long)row * stride + lane] = wi[lane];
     } else if (shared && lane == K) {
         const float g = logits_f32 ? reinterpret_cast<const float*>(logits)[base + X]
                                    : bf16_to_f32(reinterpret_cast<const bf16_t*>(logits)[base + X]);
