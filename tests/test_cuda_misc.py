@@ -494,3 +494,78 @@ def test_capturable_in_cuda_graph(seed):
         v_e, b_e = cm.argmax_rows(logits)
         assert same(vals, v_e) and same(best, b_e)
         assert torch.equal(best, torch.argmax(logits.float(), dim=-1))
+
+
+# --------------------------------------------------------------------------------------------------
+# The residual add + next norm fused into the launch that produces y
+
+
+@pytest.mark.parametrize("O,I", [(2048, 4096), (5120, 6144), (2048, 8192), (64, 96), (200, 48), (5120, 17408)],
+                         ids=lambda v: str(v))
+def test_linear_add_norm_equals_linear_then_add_rms_norm(O, I, seed, monkeypatch):
+    """cuda_linear.linear(add_norm=(x, w, eps)) on one column (gemv_bf16_t1_an: the GEMV's last block adds
+    and norms) gives the bits of linear() then add_rms_norm(): x_new, h and y, launch after launch (the
+    block counter resets itself) and under CUDA graph replays; TANDEM_NORM_FUSE=0 takes the separate
+    kernels. Checked against the float64 formula too."""
+    from kernels import cuda_linear as cl
+    cm = _cm()
+    g = _gen(seed)
+    w = _randn((O, I), g, scale=1.0 / I ** 0.5)
+    nw = _randn((O,), g, scale=0.3)
+    eps = 1e-6
+    for rep in range(3):
+        o = _randn((1, I), g)
+        x = _randn((1, O), g, scale=2.0)
+        y_ref = cl.linear(o, w)
+        xr, hr = cm.add_rms_norm(x, y_ref, nw, eps)
+        out = _poison((1, O), BF16)
+        monkeypatch.delenv(cm.NORM_FUSE_ENV, raising=False)
+        xf, hf = cl.linear(o, w, out=out, add_norm=(x, nw, eps))
+        assert torch.equal(out.view(torch.int16), y_ref.view(torch.int16)), "y"
+        assert torch.equal(xf.view(torch.int16), xr.view(torch.int16)), f"x_new (rep {rep})"
+        assert torch.equal(hf.view(torch.int16), hr.view(torch.int16)), f"h (rep {rep})"
+        monkeypatch.setenv(cm.NORM_FUSE_ENV, "0")
+        xs, hs = cl.linear(o, w, add_norm=(x, nw, eps))
+        assert torch.equal(xs.view(torch.int16), xr.view(torch.int16)) and torch.equal(hs.view(torch.int16),
+                                                                                       hr.view(torch.int16))
+    xn = x.double() + y_ref.double()
+    want = xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + eps) * (1 + nw.double())
+    assert rel(hf, want) <= 1e-2
+    monkeypatch.delenv(cm.NORM_FUSE_ENV, raising=False)
+    # graph replays: the counter must be back at 0 after every launch
+    o = _randn((1, I), g)
+    x = _randn((1, O), g)
+    xr, hr = cm.add_rms_norm(x, cl.linear(o, w), nw, eps)
+    cl.linear(o, w, add_norm=(x, nw, eps))                      # the counter exists before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        outs = [cl.linear(o, w, add_norm=(x, nw, eps)) for _ in range(4)]
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    for xg, hg in outs:
+        assert torch.equal(xg.view(torch.int16), xr.view(torch.int16)) and torch.equal(hg.view(torch.int16),
+                                                                                       hr.view(torch.int16))
+
+
+@pytest.mark.parametrize("N", [1, 3])
+def test_moe_experts_add_norm_equals_the_separate_norm(N, seed, monkeypatch):
+    """moe_experts_decode(add_norm=...) (one token: the down kernel's last block adds and norms; more: the
+    separate kernel) equals moe_experts_decode then add_rms_norm bit for bit, for both expert kernel
+    pairs (early, old), launch after launch."""
+    cm = _cm()
+    g = _gen(seed)
+    E, X, A, I = 2048, 257, 9, 512
+    x, ids, weights, gate_up, down = _experts_inputs(N, E, X, A, I, g)
+    nw = _randn((E,), g, scale=0.3)
+    for variant in ("early", "old", "early", ""):
+        monkeypatch.setenv(cm.MOE_KERNELS_ENV, variant)
+        resid = _randn((N, E), g, scale=2.0)
+        y = cm.moe_experts_decode(x, ids, weights, gate_up, down)
+        xr, hr = cm.add_rms_norm(resid, y, nw, 1e-6)
+        xf, hf = cm.moe_experts_decode(x, ids, weights, gate_up, down, add_norm=(resid, nw, 1e-6))
+        assert torch.equal(xf.view(torch.int16), xr.view(torch.int16)), variant
+        assert torch.equal(hf.view(torch.int16), hr.view(torch.int16)), variant

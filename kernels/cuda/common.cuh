@@ -144,6 +144,111 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a
     mma_bf16_16816(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
+// --------------------------------------------------------------------------------------------------
+// RMSNorm arithmetic (norm.cu's kernels, and the fused residual add + norm after a GEMV below)
+
+__device__ __forceinline__ float norm_sq8(uint4 v, float acc) {
+    float2 a = bf16x2_to_f32x2(v.x), b = bf16x2_to_f32x2(v.y), c = bf16x2_to_f32x2(v.z), d = bf16x2_to_f32x2(v.w);
+    acc = fmaf(a.x, a.x, acc); acc = fmaf(a.y, a.y, acc);     // squares of bf16 values are exact in fp32
+    acc = fmaf(b.x, b.x, acc); acc = fmaf(b.y, b.y, acc);
+    acc = fmaf(c.x, c.x, acc); acc = fmaf(c.y, c.y, acc);
+    acc = fmaf(d.x, d.x, acc); acc = fmaf(d.y, d.y, acc);
+    return acc;
+}
+
+__device__ __forceinline__ unsigned norm_pack2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+// bf16(a + b) for two packed pairs.
+__device__ __forceinline__ unsigned norm_add2(unsigned a, unsigned b) {
+    float2 fa = bf16x2_to_f32x2(a), fb = bf16x2_to_f32x2(b);
+    return norm_pack2(__fadd_rn(fa.x, fb.x), __fadd_rn(fa.y, fb.y));
+}
+
+// bf16((x * r) * (1 + w)) for two packed pairs.
+__device__ __forceinline__ unsigned norm_scale2(unsigned x, unsigned w, float r) {
+    float2 fx = bf16x2_to_f32x2(x), fw = bf16x2_to_f32x2(w);
+    return norm_pack2(__fmul_rn(__fmul_rn(fx.x, r), __fadd_rn(1.f, fw.x)),
+                      __fmul_rn(__fmul_rn(fx.y, r), __fadd_rn(1.f, fw.y)));
+}
+
+__device__ __forceinline__ float norm_rsqrt(float sumsq, float inv_e, float eps) {
+    return rsqrtf(__fadd_rn(__fmul_rn(sumsq, inv_e), eps));      // no fma contraction: mean, then + eps
+}
+
+// The residual add and the next RMSNorm of one row of E (% 8 == 0) bf16, done by the last block of a
+// grid that has just written y (see last_block_arrives): x_out = bf16(x + y), h_out = bf16((x_out * r)
+// * (1 + w)), r from the sum of squares with add_rms_norm_bf16_v8's thread mapping and reduction tree
+// (kernels/cuda_misc._norm_launch's block of round32(ceil(E / 16)) threads, each the 16-byte vectors
+// t, t + threads, ..; a butterfly per warp, then one over the warps' sums), emulated here by any block
+// of a multiple of 32 threads: the bits equal the unfused add_rms_norm's. y and x_out go through L2
+// (other blocks wrote y in this grid). x_out must not alias x or y.
+struct AddNorm {
+    const bf16_t* x;           // the residual [E]
+    const bf16_t* w;           // the norm's zero-centred weight [E]
+    bf16_t* x_out;             // the new residual [E]
+    bf16_t* h_out;             // the normed row [E]
+    unsigned* counter;         // nullptr: no fused norm (see last_block_arrives)
+    float inv_e, eps;
+};
+
+// Whether this block is the grid's last to finish: a counter in device memory that every block bumps
+// after its stores (fenced), reset to 0 by the last one, so the next launch finds it at 0 (the next
+// kernel on the stream starts its own count only after this grid completed). Every thread must call it.
+__device__ __forceinline__ bool last_block_arrives(unsigned* counter) {
+    __shared__ unsigned is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned prev = atomicAdd(counter, 1u);
+        is_last = prev == gridDim.x * gridDim.y * gridDim.z - 1;
+        if (is_last) atomicExch(counter, 0u);
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last != 0;
+}
+
+__device__ __forceinline__ void add_norm_row(const AddNorm& an, const bf16_t* y, int E) {
+    __shared__ float scratch[32];
+    const int nvec = E >> 3;
+    const int tn = min(1024, ((nvec + 1) / 2 + 31) & ~31);       // the norm kernel's threads
+    const int nvw = tn >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const uint4* xv = reinterpret_cast<const uint4*>(an.x);
+    const uint4* yv = reinterpret_cast<const uint4*>(y);
+    uint4* xo = reinterpret_cast<uint4*>(an.x_out);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+        uint4 a = xv[i];
+        const uint4 b = __ldcg(yv + i);
+        a.x = norm_add2(a.x, b.x); a.y = norm_add2(a.y, b.y);
+        a.z = norm_add2(a.z, b.z); a.w = norm_add2(a.w, b.w);
+        xo[i] = a;
+    }
+    __syncthreads();                                             // x_out visible to the whole block
+    for (int v = warp; v < nvw; v += nw) {                       // virtual warp v of the norm kernel
+        const int t = v * 32 + lane;
+        float ss = 0.f;
+        for (int k = 0; k < 4; ++k) {                            // norm.cu NORM_MAXV
+            const int i = t + k * tn;
+            if (i < nvec) ss = norm_sq8(__ldcg(reinterpret_cast<const uint4*>(xo) + i), ss);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) scratch[v] = ss;
+    }
+    __syncthreads();
+    const float r = norm_rsqrt(warp_sum(lane < nvw ? scratch[lane] : 0.f), an.inv_e, an.eps);
+    const uint4* wv = reinterpret_cast<const uint4*>(an.w);
+    uint4* hv = reinterpret_cast<uint4*>(an.h_out);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+        const uint4 a = __ldcg(reinterpret_cast<const uint4*>(xo) + i), wk = __ldg(wv + i);
+        uint4 o;
+        o.x = norm_scale2(a.x, wk.x, r); o.y = norm_scale2(a.y, wk.y, r);
+        o.z = norm_scale2(a.z, wk.z, r); o.w = norm_scale2(a.w, wk.w, r);
+        hv[i] = o;
+    }
+}
+
 // Programmatic dependent launch (sm_90+; no-ops below, where kernels/launch.py never asks for it).
 // pdl_trigger: this block lets the next kernel on the stream, if launched with launch(..., pdl=True),
 // start; once every block of this grid has triggered or exited, its blocks may be scheduled. It says
