@@ -529,10 +529,8 @@ def _out(out, shape, dev, name="out"):
     return out
 
 
-def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None, fused_norm: tuple | None = None):
-    """parts: the outputs of a fused weight's row ranges (out = parts[0]; see linear_split).
-    fused_norm: cuda_misc.add_norm_args's kernel arguments, for a launch that routes to gemv_bf16_t1
-    (the caller checks): gemv_bf16_t1_an instead."""
+def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None):
+    """parts: the outputs of a fused weight's row ranges (out = parts[0]; see linear_split)."""
     kind, O, I, data, scale, gscale, sb = _check_weight(w, "w")
     dev = data.device
     T = _check_x(x, I, dev)
@@ -561,10 +559,7 @@ def _gemv(x, w, out, residual, swiglu: bool, parts: list | None = None, fused_no
                 grid = (grid[0], 1)
             args += list(bufs) if bufs is not None else [None, None]
         smem = r.get("smem", 0)                       # the GEMM's weight ring (_r kernels)
-        name = r["kernel"]
-        if fused_norm is not None:
-            name, args = "gemv_bf16_t1_an", args + list(fused_norm)
-        L.launch(L.kernel("gemv", name, d, dynamic_smem=smem), grid, r["block"], tuple(args),
+        L.launch(L.kernel("gemv", r["kernel"], d, dynamic_smem=smem), grid, r["block"], tuple(args),
                  shared_mem=smem, device=d, pdl=True)  # the GEMV kernels call pdl_wait (gemv.cu)
     return out
 
@@ -628,27 +623,8 @@ def _prefill(x, w):
 
 
 def linear(x: torch.Tensor, w, out: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, add_norm: tuple | None = None):
-    """y = x @ W^T (bf16 [T, O]); with residual: bf16(residual + bf16(y)). out may be residual itself.
-
-    add_norm = (r [T, O], norm weight [O], eps): returns (x_new, h) = cuda_misc.add_rms_norm(r, y, weight,
-    eps) instead of y: a bf16 weight on one column takes it in the GEMV's last block (gemv_bf16_t1_an,
-    one launch fewer; TANDEM_NORM_FUSE=0 turns that off), anything else the separate norm kernel."""
-    if add_norm is not None:
-        if residual is not None:
-            raise L.KernelError("linear: add_norm and residual are exclusive")
-        O, I = _shape(w)
-        dev = w.data.device if isinstance(w, QuantWeight) else w.device
-        T = _check_x(x, I, dev)
-        L.check(add_norm[0], "add_norm residual", torch.bfloat16, (T, O))
-        d = L.device_of(x)
-        if (T == 1 and _kind_of(w) == "bf16" and _on_gemv("bf16", I, 1, O=O)
-                and route(O, I, 1, "bf16", L.sm_count(d))["kernel"] == "gemv_bf16_t1"):
-            fused = cuda_misc.add_norm_args(add_norm[0], add_norm[1], add_norm[2], d)
-            if fused is not None:
-                _gemv(x, w, _out(out, (1, O), dev), None, swiglu=False, fused_norm=fused[2])
-                return fused[0], fused[1]
-        return cuda_misc.add_rms_norm(add_norm[0], linear(x, w, out=out), add_norm[1], add_norm[2])
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (bf16 [T, O]); with residual: bf16(residual + bf16(y)). out may be residual itself."""
     O, I = _shape(w)
     dev = w.data.device if isinstance(w, QuantWeight) else w.device
     T = _check_x(x, I, dev)

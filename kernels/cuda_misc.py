@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import launch as L
 from kernels.launch import KernelError, check, device_of, kernel, launch
 
 BF16 = torch.bfloat16
@@ -134,36 +133,6 @@ def _norm_launch(out: Tensor, x_out: Tensor | None, x: Tensor, y: Tensor | None,
         name = "add_rms_norm_bf16_generic" if add else "rms_norm_bf16_generic"
     args = ((out, x_out, x, y, weight) if add else (out, x, weight)) + (np.int32(E), inv_e, eps32)
     launch(kernel("norm", name, dev), (rows,), (threads,), args, device=dev, pdl=True)
-
-
-# The residual add and the next norm fused into the launch that produces y (one launch fewer per norm):
-# the last block of gemv_bf16_t1_an / moe_down_combine computes them (common.cuh add_norm_row, the bits of
-# add_rms_norm). TANDEM_NORM_FUSE=0 keeps them separate (read at every launch plan).
-NORM_FUSE_ENV = "TANDEM_NORM_FUSE"
-_AN_COUNTERS: dict[int, Tensor] = {}
-
-
-def add_norm_args(x: Tensor, weight: Tensor, eps: float, dev: int) -> tuple | None:
-    """The fused add + norm's kernel arguments for one row x [1, E] (x_out, h_out: new tensors), or None
-    where it does not apply (TANDEM_NORM_FUSE=0, not one bf16 row of E % 8 == 0 <= NORM_MAX_E, unaligned,
-    or its counter not made yet while a CUDA graph is being captured; then the caller adds and norms
-    with add_rms_norm). Returns (x_out, h_out, args)."""
-    if not L.env_flag(NORM_FUSE_ENV, True):
-        return None
-    if x.dtype != BF16 or x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
-        return None
-    E = x.shape[1]
-    if E % 8 or E > NORM_MAX_E or tuple(weight.shape) != (E,) or weight.dtype != BF16 or not _aligned(x, weight):
-        return None
-    counter = _AN_COUNTERS.get(dev)
-    if counter is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        with torch.cuda.device(dev):
-            counter = torch.zeros(1, dtype=torch.int32, device=f"cuda:{dev}")
-        _AN_COUNTERS[dev] = counter
-    x_out, h_out = torch.empty_like(x), torch.empty_like(x)
-    return x_out, h_out, (x, weight, x_out, h_out, counter, np.float32(1.0) / np.float32(E), np.float32(eps))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
@@ -297,16 +266,13 @@ def moe_kernels_variant() -> str:
 
 
 def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
-                       out: Tensor | None = None, h: Tensor | None = None, add_norm: tuple | None = None):
+                       out: Tensor | None = None, h: Tensor | None = None) -> Tensor:
     """Routed experts for a small batch (N <= ~64): x [N, E] bf16, ids [N, A] int32/int64,
     weights [N, A] bf16/fp32, gate_up [X, 2I, E] bf16, down [X, E, I] bf16 -> out [N, E] bf16.
 
     Two launches: SwiGLU of the selected experts' gate/up rows into h [N, A, I] bf16 (scratch, may
     be passed in), then the weighted sum of the down projections in fp32. E % 8 == 0, I % 8 == 0.
-    Ids are clamped to [0, X) on the device.
-    add_norm = (residual [N, E], norm weight [E], eps): returns (x_new, h) = add_rms_norm(residual, out,
-    weight, eps) instead of out, for one token in the down kernel's last block (add_norm_args), else
-    by add_rms_norm after it."""
+    Ids are clamped to [0, X) on the device."""
     N, E, A, X, I = _check_experts(x, ids, weights, gate_up, down)
     if out is None:
         out = torch.empty(N, E, dtype=BF16, device=x.device)
@@ -315,22 +281,11 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
     check(out, "out", BF16, (N, E))
     check(h, "h", BF16, (N, A, I))
     dev = _same_device(x=x, ids=ids, weights=weights, gate_up=gate_up, down=down, out=out, h=h)
-    if add_norm is not None:
-        check(add_norm[0], "add_norm residual", BF16, (N, E))
-    fused = add_norm_args(add_norm[0], add_norm[1], add_norm[2], dev) if add_norm is not None else None
-
-    def done(y: Tensor):
-        if add_norm is None:
-            return y
-        if fused is not None:
-            return fused[0], fused[1]
-        return add_rms_norm(add_norm[0], y, add_norm[1], add_norm[2])
-
-    if N == 0 or E == 0 or A == 0 or I == 0:
-        fused = None
-        if N and E:
-            out.zero_()
-        return done(out)
+    if N == 0 or E == 0:
+        return out
+    if A == 0 or I == 0:
+        out.zero_()
+        return out
     if E % 8 or I % 8:
         raise KernelError(f"gate_up: E={E} and I={I} must be multiples of 8")
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("h", h)):
@@ -351,10 +306,9 @@ def moe_experts_decode(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
     launch(kernel("moe", "moe_gate_up_swiglu" + late, dev), (_cdiv(I, warps), A, N), (MOE_THREADS,),
            (h, x, ids, ids64, gate_up, E, I, X, A), shared_mem=smem_a, device=dev, pdl=True)
     launch(kernel("moe", "moe_down_combine" + late, dev), (_cdiv(E, warps), N), (MOE_THREADS,),
-           (out, h, ids, ids64, weights, int(weights.dtype == torch.float32), down, E, I, X, A)
-           + (fused[2] if fused is not None else (None,) * 5 + (np.float32(0), np.float32(0))),
+           (out, h, ids, ids64, weights, int(weights.dtype == torch.float32), down, E, I, X, A),
            shared_mem=smem_b, device=dev, pdl=True)
-    return done(out)
+    return out
 
 
 _GROUPED_MM: dict[str, bool] = {}

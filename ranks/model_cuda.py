@@ -349,27 +349,16 @@ class CudaHybridModel(HybridModel):
         L = s.num_layers
         for i, kind in enumerate(s.layer_types):
             p = f"layers.{i}."
-            # each block's output projection takes the residual add and the next norm (_out_norm)
-            post = (x, w[p + "post_attention_layernorm.weight"])
             if kind == FULL_ATTENTION:
                 j = self.attn_index[i]
-                x, h = self._fast_attention(p, h, db, *state.attention_kv(j), resid=post)
+                y = self._fast_attention(p, h, db, *state.attention_kv(j))
             else:
-                x, h = self._fast_gdn(p, h, db, state, self.gdn_index[i], keep_batch, kept, resid=post)
+                y = self._fast_gdn(p, h, db, state, self.gdn_index[i], keep_batch, kept)
+            x, h = cm.add_rms_norm(x, y, w[p + "post_attention_layernorm.weight"], eps)
+            y = self._fast_ffn(p, h, long=db.host is not None)
             nxt = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < L else w["norm.weight"]
-            x, h = self._fast_ffn(p, h, long=db.host is not None, resid=(x, nxt))
+            x, h = cm.add_rms_norm(x, y, nxt, eps)
         return StepOutput(h, self._fast_logits(h, db, logits), kept)
-
-    def _out_norm(self, o: Tensor, weight, resid: tuple | None):
-        """all_reduce(o @ W^T); with resid = (x, norm weight): (x_new, h) = add_rms_norm(x, that, ...),
-        at tp 1 in the GEMV's last block where cuda_linear.linear(add_norm=) can (one launch fewer)."""
-        if resid is None:
-            return self.all_reduce(self._linear(o, weight))
-        x, nw = resid
-        eps = self.spec.rms_norm_eps
-        if self.tp == 1 and o.dtype == torch.bfloat16 and isinstance(weight, Tensor) and weight.dtype == torch.bfloat16:
-            return cl.linear(o.contiguous(), weight, add_norm=(x, nw, eps))
-        return cm.add_rms_norm(x, self.all_reduce(self._linear(o, weight)), nw, eps)
 
     def _fast_logits(self, hidden: Tensor, db: DeviceBatch, mode) -> Tensor | None:
         """Head logits of every column ("all"), of each sequence's last column ("last"), or none."""
@@ -378,12 +367,12 @@ class CudaHybridModel(HybridModel):
         return self._linear(hidden.index_select(0, db.last_cols) if mode == "last" else hidden, self.head)
 
     def _fast_attention(self, p: str, h: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
-                        k_scale: Tensor | None = None, v_scale: Tensor | None = None, resid: tuple | None = None):
+                        k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
         q, gate = self._attention_in(p, h, db.positions, db.seq_of_col, db.page_tables, k_pool, v_pool,
                                      k_scale, v_scale)
         if db.host is not None:
             o = self._prefill_attention(q, gate, db, k_pool, v_pool, k_scale, v_scale)
-            return self._out_norm(o, self.w[p + "self_attn.o_proj.weight"], resid)
+            return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
         if tc_decode_attention() and db.max_len >= tc_decode_min_len():
             o = ca.decode_attention_tc(q, k_pool, v_pool, db.page_tables, db.positions, db.cu_seqlens,
                                        self.spec.head_dim ** -0.5, gate, max_columns=db.N - db.B + 1,
@@ -392,7 +381,7 @@ class CudaHybridModel(HybridModel):
             o = ca.decode_attention(q, k_pool, v_pool, db.page_tables, db.positions, db.seq_of_col,
                                     self.spec.head_dim ** -0.5, gate, max_len_hint=db.max_len, k_scale=k_scale,
                                     v_scale=v_scale)                         # [N, H*D], gated
-        return self._out_norm(o, self.w[p + "self_attn.o_proj.weight"], resid)
+        return self.all_reduce(self._linear(o, self.w[p + "self_attn.o_proj.weight"]))
 
     def _prefill_attention(self, q: Tensor, gate: Tensor, db: DeviceBatch, k_pool: Tensor, v_pool: Tensor,
                            k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
@@ -437,7 +426,7 @@ class CudaHybridModel(HybridModel):
         return q, qg.view(N, H, 2 * D)[..., D:]
 
     def _fast_gdn(self, p: str, h: Tensor, db: DeviceBatch, state: ModelState, j: int,
-                  keep_batch: Batch | None, kept: KeptColumns | None, resid: tuple | None = None):
+                  keep_batch: Batch | None, kept: KeptColumns | None) -> Tensor:
         s, N = self.spec, h.shape[0]
         HV, DK, DV = self.hv, s.linear_key_head_dim, s.linear_value_head_dim
         qkv, z, a, b = self._gdn_in(p, h)
@@ -456,7 +445,7 @@ class CudaHybridModel(HybridModel):
                 kept.conv_in[j].append(qkv[lo:hi].clone())
                 kept.states[j].append(keep_states[lo:hi])
         return self._gdn_out(p, qkv, z, a, b, state, j, db.slots, db.cu_seqlens, db.fresh, keep_states,
-                             max_columns=None if db.host is None else max(db.host.columns), resid=resid)
+                             max_columns=None if db.host is None else max(db.host.columns))
 
     def _gdn_in(self, p: str, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]; one launch
@@ -480,9 +469,9 @@ class CudaHybridModel(HybridModel):
 
     def _gdn_out(self, p: str, qkv: Tensor, z: Tensor, a: Tensor, b: Tensor, state: ModelState, j: int,
                  slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, keep_states: Tensor | None = None,
-                 max_columns: int | None = None, resid: tuple | None = None):
+                 max_columns: int | None = None) -> Tensor:
         """Conv, gated delta rule, gated norm and out_proj (+ all-reduce) over every sequence's
-        columns; with keep_states the live state is left alone (verification). resid: _out_norm's."""
+        columns; with keep_states the live state is left alone (verification)."""
         s, w, q = self.spec, self.w, p + "linear_attn."
         conv_w = w[q + "conv1d.weight"].view(w[q + "conv1d.weight"].shape[0], -1)
         y = cg.conv1d(qkv, conv_w, state.conv[j], slots, cu_seqlens, fresh, update_state=keep_states is None,
@@ -491,35 +480,28 @@ class CudaHybridModel(HybridModel):
                                 fresh, self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
                                 keep_states=keep_states, max_columns=max_columns)
         o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
-        return self._out_norm(o, w[q + "out_proj.weight"], resid)
+        return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
 
-    def _fast_ffn(self, p: str, h: Tensor, long: bool = False, resid: tuple | None = None):
+    def _fast_ffn(self, p: str, h: Tensor, long: bool = False) -> Tensor:
         """The FFN; long: a prefill step, whose routed experts run grouped by expert (torch matmuls,
-        one host sync) instead of the decode kernels. resid: _out_norm's."""
+        one host sync) instead of the decode kernels."""
         w = self.w
         p += "mlp."
         if not self.spec.is_moe:
             mid = self._linear_swiglu(h, w[p + "gate_up_proj.weight"])
-            return self._out_norm(mid, w[p + "down_proj.weight"], resid)
+            return self.all_reduce(self._linear(mid, w[p + "down_proj.weight"]))
         if not long and p + SHARED_FOLD[0] in w:
             # the shared expert as one more expert (_fold_shared_experts): router and shared gate in one
             # GEMV, its sigmoid in the route kernel, its SwiGLU and down projection in the expert kernels
             logits = self._linear(h, w[p + SHARED_FOLD[0]])
             wts, ids = cm.moe_route(logits, self.spec.num_experts_per_tok, shared=True)
-            if resid is not None and self.tp == 1:     # the down kernel's last block adds and norms
-                return cm.moe_experts_decode(h, ids, wts, w[p + SHARED_FOLD[1]], w[p + SHARED_FOLD[2]],
-                                             add_norm=(resid[0], resid[1], self.spec.rms_norm_eps))
             y = cm.moe_experts_decode(h, ids, wts, w[p + SHARED_FOLD[1]], w[p + SHARED_FOLD[2]])
-            return self._resid(self.all_reduce(y), resid)
+            return self.all_reduce(y)
         router = self._linear(h, w[p + "gate.weight"])
         wts, ids = cm.moe_route(router, self.spec.num_experts_per_tok)
         experts = cm.moe_experts_prefill if long else cm.moe_experts_decode
         y = experts(h, ids, wts, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
-        return self._resid(self.all_reduce(self._add_shared_expert(p, h, y)), resid)
-
-    def _resid(self, y: Tensor, resid: tuple | None):
-        """y, or with resid = (x, norm weight) the residual add and norm (x_new, h)."""
-        return y if resid is None else cm.add_rms_norm(resid[0], y, resid[1], self.spec.rms_norm_eps)
+        return self.all_reduce(self._add_shared_expert(p, h, y))
 
     def _add_shared_expert(self, q: str, h: Tensor, y: Tensor) -> Tensor:
         """y + sigmoid(shared_expert_gate h) * shared_expert(h) (through the fused, possibly quantised

@@ -209,8 +209,7 @@ template <int KIND, int NT>
 __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* __restrict__ x,
                                           const u8_t* __restrict__ w, const void* __restrict__ scale,
                                           const float* __restrict__ gscale, const bf16_t* residual,
-                                          int O, int I, int T, int ks, int mode, int F, int sb, const Split& split,
-                                          const AddNorm& an = AddNorm{}) {
+                                          int O, int I, int T, int ks, int mode, int F, int sb, const Split& split) {
     constexpr int R = GEMV_R;
     constexpr int U = NT <= 2 ? 4 : (NT <= 8 ? 2 : 1);                // chunks per row in flight
     constexpr int EPC = ChunkInfo<KIND>::EPC, CB = ChunkInfo<KIND>::CB;
@@ -339,7 +338,6 @@ __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* 
             }
         }
     }
-    if (an.counter != nullptr && last_block_arrives(an.counter)) add_norm_row(an, y, O);
 }
 
 #define GEMV_ARGS bf16_t* __restrict__ y, const bf16_t* __restrict__ x, const u8_t* __restrict__ w, \
@@ -351,17 +349,6 @@ __device__ __forceinline__ void gemv_body(bf16_t* __restrict__ y, const bf16_t* 
     extern "C" __global__ void __launch_bounds__(256, 2) name(GEMV_ARGS) { pdl_trigger(); gemv_body<KIND, NT>(GEMV_PASS); }
 
 GEMV_KERNEL(gemv_bf16_t1, KIND_BF16, 1)
-
-// gemv_bf16_t1 followed by the residual add and the next RMSNorm of its one output row (mode 0, T = 1,
-// one output; kernels/cuda_linear.linear(add_norm=...)): the grid's last block computes x_out =
-// bf16(x + y) and h_out = rms_norm(x_out) (common.cuh add_norm_row, the bits of add_rms_norm_bf16_v8),
-// one launch fewer per norm.
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_t1_an(GEMV_ARGS, const bf16_t* an_x,
-        const bf16_t* an_w, bf16_t* an_x_out, bf16_t* an_h_out, unsigned* an_counter, float an_inv_e,
-        float an_eps) {
-    pdl_trigger();
-    gemv_body<KIND_BF16, 1>(GEMV_PASS, AddNorm{an_x, an_w, an_x_out, an_h_out, an_counter, an_inv_e, an_eps});
-}
 GEMV_KERNEL(gemv_bf16_t2, KIND_BF16, 2)
 GEMV_KERNEL(gemv_bf16_t4, KIND_BF16, 4)
 GEMV_KERNEL(gemv_bf16_t8, KIND_BF16, 8)

@@ -198,43 +198,13 @@ __device__ __forceinline__ void moe_gate_up_body(bf16_t* h, const bf16_t* x, con
     }
 }
 
-// The rest of one warp's output row r (moe_down_body): its first loads dv already in flight.
-template <int UNROLL>
-__device__ __forceinline__ void moe_down_row(bf16_t* out, uint4 (&dv)[UNROLL], const int* se, const float* sw,
-                                             const bf16_t* __restrict__ down, int n, int r, int nci, int nv,
-                                             int E, int I) {
-    extern __shared__ uint4 moe_sh[];
-    const int lane = threadIdx.x & 31;
-    float acc = 0.f;
-    for (int b = 0; b < nv; b += 32 * UNROLL) {
-        if (b > 0) {
-#pragma unroll
-            for (int k = 0; k < UNROLL; ++k) {
-                const int t = b + lane + 32 * k;
-                if (t < nv) {
-                    const int a = t / nci, c = t - a * nci;
-                    dv[k] = __ldg(reinterpret_cast<const uint4*>(down + ((long long)se[a] * E + r) * I) + c);
-                }
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < UNROLL; ++k) {
-            const int t = b + lane + 32 * k;
-            if (t < nv) acc = fmaf(sw[t / nci], moe_dot8(dv[k], moe_sh[t], 0.f), acc);
-        }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(long long)n * E + r] = f32_to_bf16(acc);
-}
-
 // grid (ceil(E / warps per block), N), block: a multiple of 32; dynamic smem A * I * 2 + A * 8 bytes.
 // h [N, A, I] bf16, ids [N, A], weights [N, A] (fp32 when w_f32, else bf16), down [X, E, I] bf16,
-// out [N, E] bf16. I % 8 == 0; h and down 16-byte aligned. With an.counter (N == 1 only) the grid's last
-// block then adds out to the residual and computes the next RMSNorm (common.cuh add_norm_row).
+// out [N, E] bf16. I % 8 == 0; h and down 16-byte aligned.
 template <int UNROLL>
 __device__ __forceinline__ void moe_down_body(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
                                               const void* weights, int w_f32, const bf16_t* __restrict__ down,
-                                              int E, int I, int X, int A, const AddNorm& an) {
+                                              int E, int I, int X, int A) {
     extern __shared__ uint4 moe_sh[];
     const int n = blockIdx.y;
     const int nci = I >> 3;                                   // 16-byte chunks per row
@@ -265,26 +235,41 @@ __device__ __forceinline__ void moe_down_body(bf16_t* out, const bf16_t* h, cons
     const uint4* hv = reinterpret_cast<const uint4*>(h + (long long)n * A * I);
     for (int i = threadIdx.x; i < nv; i += blockDim.x) moe_sh[i] = hv[i];
     __syncthreads();
-    if (live) moe_down_row<UNROLL>(out, dv, se, sw, down, n, r, nci, nv, E, I);
-    if (an.counter != nullptr && last_block_arrives(an.counter)) add_norm_row(an, out, E);   // N == 1
+    if (!live) return;                                         // after the barrier
+    float acc = 0.f;
+    for (int b = 0; b < nv; b += 32 * UNROLL) {
+        if (b > 0) {
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const int t = b + lane + 32 * k;
+                if (t < nv) {
+                    const int a = t / nci, c = t - a * nci;
+                    dv[k] = __ldg(reinterpret_cast<const uint4*>(down + ((long long)se[a] * E + r) * I) + c);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const int t = b + lane + 32 * k;
+            if (t < nv) acc = fmaf(sw[t / nci], moe_dot8(dv[k], moe_sh[t], 0.f), acc);
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[(long long)n * E + r] = f32_to_bf16(acc);
 }
 
 extern "C" __global__ void moe_down_combine(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
                                             const void* weights, int w_f32, const bf16_t* __restrict__ down,
-                                            int E, int I, int X, int A, const bf16_t* an_x, const bf16_t* an_w,
-        bf16_t* an_x_out, bf16_t* an_h_out, unsigned* an_counter, float an_inv_e, float an_eps) {
+                                            int E, int I, int X, int A) {
     pdl_enter();
-    moe_down_body<DOWN_UNROLL>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A,
-                               AddNorm{an_x, an_w, an_x_out, an_h_out, an_counter, an_inv_e, an_eps});
+    moe_down_body<DOWN_UNROLL>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A);
 }
 
 extern "C" __global__ void moe_down_combine_late(bf16_t* out, const bf16_t* h, const void* ids, int ids64,
                                                const void* weights, int w_f32, const bf16_t* __restrict__ down,
-                                               int E, int I, int X, int A, const bf16_t* an_x, const bf16_t* an_w,
-        bf16_t* an_x_out, bf16_t* an_h_out, unsigned* an_counter, float an_inv_e, float an_eps) {
+                                               int E, int I, int X, int A) {
     pdl_enter();
-    moe_down_body<8>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A,
-                     AddNorm{an_x, an_w, an_x_out, an_h_out, an_counter, an_inv_e, an_eps});
+    moe_down_body<8>(out, h, ids, ids64, weights, w_f32, down, E, I, X, A);
 }
 
 extern "C" __global__ void moe_gate_up_swiglu(bf16_t* h, const bf16_t* x, const void* ids, int ids64,

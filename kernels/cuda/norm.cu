@@ -14,6 +14,36 @@
 #define NORM_MAXV 4      // fast path: 16-byte vectors (8 elements) per thread
 #define NORM_MAXS 16     // generic path: elements per thread
 
+__device__ __forceinline__ float norm_sq8(uint4 v, float acc) {
+    float2 a = bf16x2_to_f32x2(v.x), b = bf16x2_to_f32x2(v.y), c = bf16x2_to_f32x2(v.z), d = bf16x2_to_f32x2(v.w);
+    acc = fmaf(a.x, a.x, acc); acc = fmaf(a.y, a.y, acc);     // squares of bf16 values are exact in fp32
+    acc = fmaf(b.x, b.x, acc); acc = fmaf(b.y, b.y, acc);
+    acc = fmaf(c.x, c.x, acc); acc = fmaf(c.y, c.y, acc);
+    acc = fmaf(d.x, d.x, acc); acc = fmaf(d.y, d.y, acc);
+    return acc;
+}
+
+__device__ __forceinline__ unsigned norm_pack2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+// bf16(a + b) for two packed pairs.
+__device__ __forceinline__ unsigned norm_add2(unsigned a, unsigned b) {
+    float2 fa = bf16x2_to_f32x2(a), fb = bf16x2_to_f32x2(b);
+    return norm_pack2(__fadd_rn(fa.x, fb.x), __fadd_rn(fa.y, fb.y));
+}
+
+// bf16((x * r) * (1 + w)) for two packed pairs.
+__device__ __forceinline__ unsigned norm_scale2(unsigned x, unsigned w, float r) {
+    float2 fx = bf16x2_to_f32x2(x), fw = bf16x2_to_f32x2(w);
+    return norm_pack2(__fmul_rn(__fmul_rn(fx.x, r), __fadd_rn(1.f, fw.x)),
+                      __fmul_rn(__fmul_rn(fx.y, r), __fadd_rn(1.f, fw.y)));
+}
+
+__device__ __forceinline__ float norm_rsqrt(float sumsq, float inv_e, float eps) {
+    return rsqrtf(__fadd_rn(__fmul_rn(sumsq, inv_e), eps));      // no fma contraction: mean, then + eps
+}
+
 // Fast path: E % 8 == 0, every row pointer 16-byte aligned, E / 8 <= NORM_MAXV * blockDim.x.
 template <bool ADD>
 __device__ __forceinline__ void norm_row_v8(bf16_t* out, bf16_t* x_out, const bf16_t* x, const bf16_t* y,
