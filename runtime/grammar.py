@@ -101,6 +101,72 @@ def lark_grammar(text: str, field: str) -> str:
     return grammar
 
 
+def _tool_name(tool: dict) -> str | None:
+    name = (tool.get("function") or {}).get("name") or tool.get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def _tool_params(tool: dict) -> list[str] | None:
+    """The parameter names a strict tool's JSON schema declares (None: any name, where the tool is not
+    `strict` or declares none: without strict, OpenAI's API does not promise the schema either)."""
+    spec = tool.get("function") or tool
+    if spec.get("strict") is not True:
+        return None
+    schema = spec.get("parameters") or spec.get("input_schema")
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict) or not props:
+        return None
+    return [k for k in props if isinstance(k, str) and k and ">" not in k and "\n" not in k] or None
+
+
+def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opened: str, call_id: int,
+                      call_end_id: int) -> str:
+    """The grammar of tool calls in the Qwen3.5 / 3.6 XML form (api.md section 6), for tool_choice
+    "required" (`only` None: any of `tools`) or a named tool (`only`): one call, or with `parallel`
+    one or more separated by a newline, and nothing else. Each call is
+
+        <tool_call>\n<function=NAME>\n(<parameter=KEY>\nVALUE\n</parameter>\n)*</function>\n</tool_call>
+
+    with <tool_call> / </tool_call> as their single token ids (call_id, call_end_id: the parser
+    matches them by id), NAME one of the offered tools, KEY one of that tool's declared parameters
+    when it is `strict` (else any key: forcing a model off the key it would write sends it off its
+    distribution), VALUE any text without "\n</parameter>" (the parser converts values by the
+    schema; which keys are present and the values' types are not constrained).
+    `opened`: the part of the first call the prompt already holds (Service._forced_call: the
+    generation prompt opens the call when thinking is off); the grammar starts after it."""
+    tools = [t for t in tools if isinstance(t, dict) and _tool_name(t)]
+    if only is not None:
+        tools = [t for t in tools if _tool_name(t) == only]
+    if not tools:
+        raise GrammarError("tool_choice: no tool to call")
+    lines, alts = [], []
+    for i, t in enumerate(tools):
+        keys = _tool_params(t)
+        key = " | ".join(json.dumps(f"<parameter={k}>\n") for k in keys) if keys else '"<parameter=" KEY ">\\n"'
+        lines.append(f"p{i}: ({key}) VALUE \"\\n\"")
+        lines.append(f"b{i}: p{i}* \"</function>\\n\"")
+        alts.append((i, _tool_name(t)))
+    head = f"<[{int(call_id)}]> \"\\n<function=\""
+    calls = " | ".join(f"{json.dumps(n + '>' + chr(10))} b{i}" for i, n in alts)
+    lines.append(f"call: {head} ({calls}) <[{int(call_end_id)}]>")
+    # the first call, continued after what the prompt opened
+    prefix = "<tool_call>\n<function="
+    if not opened:
+        first = "call"
+    elif opened == "<tool_call>\n<function":
+        first = f"\"=\" ({calls}) <[{int(call_end_id)}]>"
+    elif opened.startswith(prefix) and opened.endswith(">\n") and opened[len(prefix):-2] in dict((n, i) for i, n in alts):
+        i = next(i for i, n in alts if n == opened[len(prefix):-2])
+        first = f"b{i} <[{int(call_end_id)}]>"
+    else:
+        raise GrammarError(f"tool_choice: cannot continue a call opened as {opened!r}")
+    lines.append(f"first: {first}")
+    lines.append("start: first" + (' ("\\n" call)*' if parallel else ""))
+    lines.append("KEY: /[^>\\n]+/")
+    lines.append("VALUE: /(?s:.*)\\n<\\/parameter>/ & ~/(?s:.*)\\n<\\/parameter>(?s:.+)/")
+    return lark_grammar("\n".join(lines) + "\n", "tool_choice")
+
+
 def _validate(grammar: str, field: str) -> None:
     err = _llg().LLMatcher.validate_grammar(grammar, None)
     if err:

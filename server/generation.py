@@ -104,7 +104,7 @@ def _parser(service, prepared: Prepared) -> parsing.OutputParser | RawContent | 
     req = prepared.request
     if not isinstance(req, ChatRequest):
         return None
-    if getattr(prepared.params, "grammar", None) is not None:
+    if service.output_grammar(req) is not None:
         # structured outputs: the content is the grammar's text, verbatim (no tools: see Service.output_grammar)
         return RawContent(prepared.start, id_seed=prepared.request_id, id_prefix=req.tool_id_prefix)
     tools = [] if req.tool_choice == "none" or not req.tools else req.tools

@@ -278,6 +278,7 @@ class Service:
         self.stop_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.defaults.get("eos_token_ids", ()))
         self.think_end_id = tokenizer.token_to_id("</think>")
         self.tool_call_id = tokenizer.token_to_id("<tool_call>")     # banned under tool_choice none
+        self.tool_call_end_id = tokenizer.token_to_id("</tool_call>")
         self.thinking_close_ids = tuple(tokenizer.encode(thinking_close_text))
         self.engine = None
         self.state = "loading"
@@ -474,6 +475,35 @@ class Service:
             raise APIError(400, "invalid_request", "the prompt is empty: give at least one token", param="prompt")
         return text, ids, "content", "prompt"
 
+    def _tool_grammar(self, prepared: Prepared) -> str | None:
+        """tool_choice "required" / named with an XML-call template: the grammar of the call(s) (api.md
+        section 6.9; runtime.grammar.tool_call_grammar), from where the prompt left the first call
+        (Prepared.forced_prefix when thinking is off; after </think> when it is on: _sampling_params
+        sets grammar_after). None where it does not apply, or where the tools give no usable grammar
+        (the request then runs as before: the prompt's opened call only)."""
+        req = prepared.request
+        if (not isinstance(req, ChatRequest) or not req.tools or self.template is None
+                or not self.template.xml_tool_calls or self.tool_call_id is None or self.tool_call_end_id is None):
+            return None
+        choice = req.tool_choice
+        if choice == "required":
+            only = None
+        elif isinstance(choice, dict):
+            only = (choice.get("function") or {}).get("name") or choice.get("name")
+            if not isinstance(only, str) or not only:
+                return None
+        else:
+            return None
+        # a named call the prompt opened is that one call (generation._parser's rule)
+        parallel = bool(req.parallel_tool_calls) and not (only is not None and prepared.forced_prefix)
+        from runtime import grammar as grammar_mod
+        try:
+            return grammar_mod.tool_call_grammar(req.tools, only, parallel, prepared.forced_prefix,
+                                                 self.tool_call_id, self.tool_call_end_id)
+        except grammar_mod.GrammarError as e:
+            log.warning("request %s: tool_choice not enforced by a grammar: %s", prepared.request_id, e)
+            return None
+
     @staticmethod
     def output_grammar(req: ChatRequest | TextRequest) -> str | None:
         """The grammar the output must follow: the request's output format, except when tools are offered
@@ -511,6 +541,8 @@ class Service:
             values["banned_token_ids"] = (self.tool_call_id,)
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         grammar = self.output_grammar(req)
+        if grammar is None:
+            grammar = self._tool_grammar(prepared)
         if grammar is not None:
             values["grammar"] = grammar
             if prepared.start == "reasoning" and self.think_end_id is not None:

@@ -110,17 +110,55 @@ def test_tool_choice_none_keeps_calls_out_of_the_answer(url):
     assert none.message.content and "<tool_call>" not in none.message.content and "<function=" not in none.message.content
 
 
+def _declared_calls(choice, names, keys=None) -> None:
+    """Every call is one of `names` (with keys among `keys` where given: a strict tool's grammar allows
+    no other), its arguments a JSON object, and the turn ends on the calls."""
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    assert choice.message.tool_calls and {c.function.name for c in choice.message.tool_calls} <= set(names)
+    for c in choice.message.tool_calls:
+        args = json.loads(c.function.arguments)
+        assert isinstance(args, dict) and (keys is None or set(args) <= keys), c.function.arguments
+
+
 def test_tool_choice_required_and_named_produce_the_calls_asked_for(url):
-    """tool_choice required with two tools and thinking off opens the call in the prompt; the model
-    continues it into a declared call. A named choice gives that function's call and no other."""
+    """tool_choice required with two tools and thinking off opens the call in the prompt, and a grammar
+    continues it into declared calls only (runtime.grammar.tool_call_grammar). A named choice gives that
+    function's one call and no other."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     kw = dict(model="demo", messages=TWO_QUESTIONS, tools=TWO_TOOLS, temperature=0, max_tokens=120, extra_body=NO_THINKING)
     required = client.chat.completions.create(tool_choice="required", **kw).choices[0]
-    assert required.finish_reason == "tool_calls", required.message.content
-    assert {c.function.name for c in required.message.tool_calls} <= {"get_weather", "get_time"}
+    _declared_calls(required, {"get_weather", "get_time"})
     for name in ("get_time", "get_weather"):
         named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": name}}, **kw)
-        choice = named.choices[0]
-        assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == [name]
-        # a JSON object (the toy model's parameter names are its own business)
-        assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+        _declared_calls(named.choices[0], {name})
+        assert len(named.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_tool_choice_is_enforced_after_free_reasoning(url, choice):
+    """With thinking on nothing is forced in the prompt: the model reasons freely (a thinking budget
+    closes it here), then the call grammar applies after </think>, so the answer is the asked-for
+    call(s) (parallel calls allowed: nothing in the prompt opened one), nothing else."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    kw = dict(model="demo", messages=TWO_QUESTIONS, tools=TWO_TOOLS, temperature=0, max_tokens=200,
+              extra_body={"thinking_budget": 12})
+    r = client.chat.completions.create(tool_choice=choice, **kw).choices[0]
+    assert getattr(r.message, "reasoning_content", None) or (r.model_extra or {}).get("reasoning_content")
+    if isinstance(choice, dict):            # left alone, the model calls get_weather: the grammar decided
+        auto = client.chat.completions.create(tool_choice="auto", **kw).choices[0]
+        assert "get_time" not in {c.function.name for c in auto.message.tool_calls or ()}
+    _declared_calls(r, {"get_time"} if isinstance(choice, dict) else {"get_weather", "get_time"})
+
+
+def test_a_strict_tool_gets_only_its_declared_keys(url):
+    """strict: true: the call's keys are the schema's (here the keys the demo model writes for weather
+    anyway, so the constraint does not fight it; test_structured.py shows it refusing others)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    tool = {"type": "function", "function": {"name": "get_weather", "description": DESCRIPTION, "strict": True,
+                                             "parameters": PARAMS}}
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": QUESTION}], tools=[tool],
+                                       tool_choice="required", temperature=0, max_tokens=120,
+                                       extra_body=NO_THINKING).choices[0]
+    _declared_calls(r, {"get_weather"}, set(PARAMS["properties"]))
+    assert json.loads(r.message.tool_calls[0].function.arguments).get("location") == "Paris"

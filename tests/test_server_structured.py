@@ -308,8 +308,12 @@ def test_sampling_params_carry_the_grammar(srv):
     assert params(thinking=False).grammar == grammar and params(thinking=False).grammar_after == ()
     tools = [WEATHER_TOOL]
     assert params(thinking=False, tools=tools).grammar is None                     # tool_choice omitted: auto
-    assert params(thinking=False, tools=tools, tool_choice="required").grammar is None
     assert params(thinking=False, tools=tools, tool_choice="none").grammar == grammar
+    # a call is required: the output format gives way to the grammar of the call (tool_call_grammar)
+    for thinking in (False, True):
+        p = params(thinking=thinking, tools=tools, tool_choice="required")
+        assert p.grammar not in (None, grammar) and "tool_call" not in p.grammar or p.grammar != grammar
+        assert p.grammar_after == ((service.think_end_id,) if thinking else ())
 
 
 # ---- the official SDKs, other APIs ------------------------------------------------------------------

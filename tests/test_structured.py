@@ -258,6 +258,64 @@ def test_the_grammar_applies_after_the_end_of_reasoning(tok):
     assert "ok" in texts and all(("ok".startswith(x) or not x.strip()) and x for x in texts), texts
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+              "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+         {"name": "lookup", "strict": True, "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}},
+         {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "properties": {
+             "a": {"type": "string"}}}}}]
+
+
+def _accepts(tok, grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text` (tokenised as the model would write it, <tool_call> and
+    </tool_call> as their single ids) as a complete output."""
+    llg_tok, _ = _llg(tok)
+    import llguidance
+    m = llguidance.LLMatcher(llg_tok, grammar, log_level=0)
+    for t in tok.encode(text):
+        if not m.consume_token(t):
+            return False
+    return m.is_accepting()
+
+
+CALL_W = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n" \
+         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+CALL_S = "<tool_call>\n<function=search>\n<parameter=any key>\na </parameter> b\nc\n</parameter>\n</function>\n</tool_call>"
+CALL_L = "<tool_call>\n<function=lookup>\n</function>\n</tool_call>"
+
+
+def test_tool_call_grammar_takes_declared_calls_only(tok):
+    """tool_call_grammar: calls in the XML form of the offered tools only, keys a strict tool's schema
+    declares (any key where it declares none or is not strict), values with anything but a line
+    "</parameter>"; one call, or
+    several with parallel; a named choice only that function; a prompt-opened call continued."""
+    ids = (tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>"))
+    assert None not in ids
+    g = G.tool_call_grammar(TOOLS, None, True, "", *ids)
+    loose = CALL_W.replace("get_weather", "loose").replace("parameter=days", "parameter=undeclared")
+    for text in (CALL_W, CALL_S, CALL_L, loose, CALL_W + "\n" + CALL_L, CALL_S + "\n" + CALL_W + "\n" + CALL_W):
+        assert _accepts(tok, g, text), text
+    for text in ("", "Sure! " + CALL_W, CALL_W + " done", CALL_W.replace("get_weather", "get_time"),
+                 CALL_W.replace("parameter=days", "parameter=weeks"), CALL_L.replace("lookup>", "lookup>\n<parameter=x>"),
+                 CALL_W + CALL_W, CALL_W.replace("</function>", "")):
+        assert not _accepts(tok, g, text), text
+    one = G.tool_call_grammar(TOOLS, None, False, "", *ids)
+    assert _accepts(tok, one, CALL_W) and not _accepts(tok, one, CALL_W + "\n" + CALL_L)
+    named = G.tool_call_grammar(TOOLS, "lookup", True, "", *ids)
+    assert _accepts(tok, named, CALL_L) and not _accepts(tok, named, CALL_W)
+    # the prompt opened "<tool_call>\n<function" (required, several tools) or the whole head (one tool)
+    opened = G.tool_call_grammar(TOOLS, None, True, "<tool_call>\n<function", *ids)
+    assert _accepts(tok, opened, CALL_W[len("<tool_call>\n<function"):] + "\n" + CALL_L)
+    assert not _accepts(tok, opened, CALL_W)
+    head = "<tool_call>\n<function=get_weather>\n"
+    g1 = G.tool_call_grammar(TOOLS, "get_weather", False, head, *ids)
+    assert _accepts(tok, g1, CALL_W[len(head):]) and not _accepts(tok, g1, CALL_W[len(head):] + "\n" + CALL_W)
+    with pytest.raises(G.GrammarError, match="tool_choice"):
+        G.tool_call_grammar(TOOLS, "missing", True, "", *ids)
+    with pytest.raises(G.GrammarError, match="tool_choice"):
+        G.tool_call_grammar(TOOLS, None, True, "<tool_call>\n<function=other>\n", *ids)
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_masked_logits_are_the_logits_with_disallowed_ids_at_minus_inf(shards):
     """apply_penalties with a mask, on each shard of a 300-id vocabulary (with a bias and a penalty
