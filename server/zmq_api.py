@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from server import params
+from server import params, structured
 from server.service import (APIError, ChatRequest, ContentDelta, Finish, ReasoningDelta, RequestContext, Sampling,
                             TextRequest, TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart, current_request)
 
@@ -160,6 +160,7 @@ def parse_chat(msg: dict) -> ChatRequest:
         sampling=_sampling(msg),
         model=_field(msg, "model", (str,)),
         ignore_eos=_field(msg, "ignore_eos", (bool,), False),
+        grammar=structured.openai_grammar(params.Fields(msg)),
         api="zmq", stream=True)
 
 
@@ -173,7 +174,7 @@ def parse_tokens(msg: dict) -> TextRequest:
         raise _bad("prompt", "prompt is required: a non-empty string or a list of token ids")
     return TextRequest(prompt=prompt, max_tokens=_max_tokens(msg, 16), stop=_stop(msg), sampling=_sampling(msg),
                        model=_field(msg, "model", (str,)), ignore_eos=_field(msg, "ignore_eos", (bool,), False),
-                       api="zmq", stream=True)
+                       grammar=structured.openai_grammar(params.Fields(msg)), api="zmq", stream=True)
 
 
 def encode_delta(delta: Any) -> dict[str, Any]:

@@ -341,6 +341,13 @@ def test_client_disconnect_closes_the_generator(server, service):
      "invalid_request", "tools[0].function.name"),
     (pack(type="count_tokens", id=1, messages=user("x"), tools=[5]), 400, "invalid_request", "tools[0]"),
     (pack(type="chat", id=1, messages=user("x"), tool_choice="sometimes"), 400, "invalid_request", "tool_choice"),
+    (pack(type="chat", id=1, messages=user("x"), response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}), 400, "invalid_request", "response_format.json_schema.schema"),
+    (pack(type="chat", id=1, messages=user("x"), response_format={"type": "yaml"}), 400, "invalid_request",
+     "response_format.type"),
+    (pack(type="tokens", id=1, prompt=[1], guided_regex=5), 400, "invalid_request", "guided_regex"),
+    (pack(type="tokens", id=1, prompt=[1], guided_choice=["a"], guided_regex="a+"), 400, "invalid_request",
+     "guided_choice"),                                         # two constraints: the second (in GUIDED order) named
     (pack(type="chat", id=1, messages=user("x"), tool_choice="required"), 400, "invalid_request", "tool_choice"),
     (pack(type="chat", id=1, messages=user("x"), tools=[{"type": "function", "function": {"name": "f"}}],
           tool_choice={"type": "function", "function": {"name": "nonexistent"}}), 400, "invalid_request",
@@ -520,3 +527,43 @@ def test_real_tiny_engine_logprobs_and_logit_bias(tiny):
         again = c.tokens(prompt, stream=False, logprobs=3, **greedy)
         assert again.content == r.content and again.logprobs == r.logprobs
         assert engine.stats()["running"] == 0
+
+
+def test_output_formats_through_zmq_on_the_demo_model():
+    """The HTTP APIs' output constraints (response_format, guided_*, structured_outputs) on `chat` and
+    `tokens` requests: a JSON schema's document, a choice, a regex, on the real demo model (greedy)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from ranks.demo import PACKAGED_DIR
+    from runtime import Engine, EngineOptions
+    from runtime.tokenizer import Tokenizer, generation_defaults
+    from server.service import Service
+
+    engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(max_concurrency=4, max_context=2048,
+                                                                     threads_per_rank=1))
+    service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", 2048, generation_defaults(PACKAGED_DIR))
+    srv = ZmqServer(service, "tcp://127.0.0.1:*")
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 9}}}
+    try:
+        srv.start()
+        with ZmqClient(srv.endpoint, timeout_s=60) as c:
+            doc = c.chat(user("Plan a trip as JSON."), stream=False, max_tokens=80, temperature=0, thinking=False,
+                         response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}})
+            jsonschema.validate(json.loads(doc.content), schema)
+            assert doc.finish_reason == "stop"
+            pick = c.chat(user("Pick a colour."), stream=False, max_tokens=20, temperature=0, thinking=False,
+                          structured_outputs={"choice": ["red", "green", "blue"]})
+            assert pick.content in ("red", "green", "blue")
+            raw = c.tokens("The answer is", stream=False, max_tokens=12, temperature=0, guided_regex="[0-9]{2,4}")
+            assert re.fullmatch("[0-9]{2,4}", raw.content), raw.content
+            free = c.tokens("The answer is", stream=False, max_tokens=12, temperature=0, ignore_eos=True)
+            assert not re.fullmatch("[0-9]{2,4}", free.content)         # unconstrained, it writes something else
+    finally:
+        srv.stop()
+        service.shutdown()
+
