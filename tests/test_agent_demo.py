@@ -76,6 +76,24 @@ def test_anthropic_messages_tool_round_trip(url):
     _answer_uses_the_result("".join(b.text for b in second.content if b.type == "text"))
 
 
+def test_anthropic_forced_tool_choice_after_thinking(url):
+    """Anthropic tool_choice {"type": "tool"} (named) and "any" (required) with thinking on (Anthropic's
+    own API refuses forced tool_choice with thinking; this server does not enforce that rule, api.md):
+    the reasoning stays free and the answer is a tool_use of the tool asked for: get_time for a weather
+    question that the model, left to itself, answers by calling get_weather (the round trip above)."""
+    client = anthropic.Anthropic(base_url=url, api_key="unused")
+    tools = [{"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMS},
+             {"name": "get_time", "description": "Get the time in a city", "input_schema": PARAMS}]
+    for choice, names in (({"type": "tool", "name": "get_time"}, {"get_time"}),
+                          ({"type": "any"}, {"get_weather", "get_time"})):
+        r = client.messages.create(model="demo", max_tokens=200, tools=tools, tool_choice=choice,
+                                   messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": 0})
+        assert r.stop_reason == "tool_use", r.content
+        uses = [b for b in r.content if b.type == "tool_use"]
+        assert uses and {u.name for u in uses} <= names and all(isinstance(u.input, dict) for u in uses)
+        assert any(b.type == "thinking" and b.thinking for b in r.content)
+
+
 def test_openai_responses_tool_round_trip(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     tool = {"type": "function", "name": "get_weather", "description": DESCRIPTION, "parameters": PARAMS}
