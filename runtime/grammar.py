@@ -23,6 +23,7 @@ request with an output format is refused with a message that says so.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -106,9 +107,9 @@ def _tool_name(tool: dict) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def _tool_params(tool: dict) -> list[str] | None:
-    """The parameter names a strict tool's JSON schema declares (None: any name, where the tool is not
-    `strict` or declares none: without strict, OpenAI's API does not promise the schema either)."""
+def _tool_params(tool: dict) -> dict[str, Any] | None:
+    """A strict tool's declared parameters, name -> its JSON schema (None: any name, where the tool is
+    not `strict` or declares none: without strict, OpenAI's API does not promise the schema either)."""
     spec = tool.get("function") or tool
     if spec.get("strict") is not True:
         return None
@@ -116,7 +117,29 @@ def _tool_params(tool: dict) -> list[str] | None:
     props = schema.get("properties") if isinstance(schema, dict) else None
     if not isinstance(props, dict) or not props:
         return None
-    return [k for k in props if isinstance(k, str) and k and ">" not in k and "\n" not in k] or None
+    return {k: v for k, v in props.items() if isinstance(k, str) and k and ">" not in k and "\n" not in k} or None
+
+
+# A strict parameter's value as the template writes it (strings raw, other scalars as Python's str):
+# the terminal of its text up to and including the "\n</parameter>" that closes it.
+_CLOSE = r"\n<\/parameter>"
+_TYPED = {
+    "integer": r"-?(0|[1-9][0-9]*)",
+    "number": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
+    "boolean": r"(true|false|True|False)",
+}
+
+
+def _value_terminal(schema: Any) -> str | None:
+    """The typed terminal of one strict parameter (integer, number, boolean, an enum of strings or
+    numbers), or None for free text (strings, objects, arrays, unions)."""
+    if not isinstance(schema, dict):
+        return None
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
+        return "(" + "|".join(re.escape(v).replace("/", r"\/") for v in enum) + ")"
+    kind = schema.get("type")
+    return _TYPED.get(kind) if isinstance(kind, str) else None
 
 
 def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opened: str, call_id: int,
@@ -130,8 +153,9 @@ def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opene
     with <tool_call> / </tool_call> as their single token ids (call_id, call_end_id: the parser
     matches them by id), NAME one of the offered tools, KEY one of that tool's declared parameters
     when it is `strict` (else any key: forcing a model off the key it would write sends it off its
-    distribution), VALUE any text without "\n</parameter>" (the parser converts values by the
-    schema; which keys are present and the values' types are not constrained).
+    distribution), VALUE any text without "\n</parameter>", or for a strict tool's integer, number,
+    boolean or enum parameter a literal of that type (the parser converts values by the schema;
+    which keys are present, and the shape of objects and arrays, are not constrained).
     `opened`: the part of the first call the prompt already holds (Service._forced_call: the
     generation prompt opens the call when thinking is off); the grammar starts after it."""
     tools = [t for t in tools if isinstance(t, dict) and _tool_name(t)]
@@ -139,13 +163,21 @@ def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opene
         tools = [t for t in tools if _tool_name(t) == only]
     if not tools:
         raise GrammarError("tool_choice: no tool to call")
-    lines, alts = [], []
+    lines, alts, typed = [], [], {}
     for i, t in enumerate(tools):
-        keys = _tool_params(t)
-        key = " | ".join(json.dumps(f"<parameter={k}>\n") for k in keys) if keys else '"<parameter=" KEY ">\\n"'
-        lines.append(f"p{i}: ({key}) VALUE \"\\n\"")
+        params = _tool_params(t)
+        if params is None:
+            choices = ['"<parameter=" KEY ">\\n" VALUE']
+        else:
+            choices = []
+            for k, sch in params.items():
+                term = _value_terminal(sch)
+                name = "VALUE" if term is None else typed.setdefault(term, f"TYPED{len(typed)}")
+                choices.append(f"{json.dumps(f'<parameter={k}>' + chr(10))} {name}")
+        lines.append(f"p{i}: ({' | '.join(choices)}) \"\\n\"")
         lines.append(f"b{i}: p{i}* \"</function>\\n\"")
         alts.append((i, _tool_name(t)))
+    lines += [f"{name}: /{term}{_CLOSE}/" for term, name in typed.items()]
     head = f"<[{int(call_id)}]> \"\\n<function=\""
     calls = " | ".join(f"{json.dumps(n + '>' + chr(10))} b{i}" for i, n in alts)
     lines.append(f"call: {head} ({calls}) <[{int(call_end_id)}]>")

@@ -259,7 +259,9 @@ def test_the_grammar_applies_after_the_end_of_reasoning(tok):
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
-              "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+              "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit/x"]},
+                                               "exact": {"type": "boolean"}, "lat": {"type": "number"}}}}},
          {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
          {"name": "lookup", "strict": True, "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}},
          {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "properties": {
@@ -287,7 +289,8 @@ CALL_L = "<tool_call>\n<function=lookup>\n</function>\n</tool_call>"
 def test_tool_call_grammar_takes_declared_calls_only(tok):
     """tool_call_grammar: calls in the XML form of the offered tools only, keys a strict tool's schema
     declares (any key where it declares none or is not strict), values with anything but a line
-    "</parameter>"; one call, or
+    "</parameter>" (a strict tool's integers, numbers, booleans and enums: literals of their type);
+    one call, or
     several with parallel; a named choice only that function; a prompt-opened call continued."""
     ids = (tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>"))
     assert None not in ids
@@ -299,6 +302,18 @@ def test_tool_call_grammar_takes_declared_calls_only(tok):
                  CALL_W.replace("parameter=days", "parameter=weeks"), CALL_L.replace("lookup>", "lookup>\n<parameter=x>"),
                  CALL_W + CALL_W, CALL_W.replace("</function>", "")):
         assert not _accepts(tok, g, text), text
+    # a strict tool's integer, number, boolean and enum values are literals of their type
+    def weather(**values):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        return f"<tool_call>\n<function=get_weather>\n{body}</function>\n</tool_call>"
+    good = [dict(days=12, unit="fahrenheit/x", exact="True", lat="-48.5e1"), dict(exact="false", lat=0, days=-3),
+            dict(city="anything at all\nover lines", unit="celsius")]
+    bad = [dict(days="three"), dict(days="1.5"), dict(unit="kelvin"), dict(exact="yes"), dict(lat="1,5"),
+           dict(days="07")]
+    for values in good:
+        assert _accepts(tok, g, weather(**values)), values
+    for values in bad:
+        assert not _accepts(tok, g, weather(**values)), values
     one = G.tool_call_grammar(TOOLS, None, False, "", *ids)
     assert _accepts(tok, one, CALL_W) and not _accepts(tok, one, CALL_W + "\n" + CALL_L)
     named = G.tool_call_grammar(TOOLS, "lookup", True, "", *ids)
