@@ -131,8 +131,8 @@ _TYPED = {
 
 
 def _value_terminal(schema: Any) -> str | None:
-    """The typed terminal of one strict parameter (integer, number, boolean, an enum of strings or
-    numbers), or None for free text (strings, objects, arrays, unions)."""
+    """The typed terminal of one strict parameter (integer, number, boolean, an enum of strings), or
+    None for free text (strings, objects, arrays, unions, other enums)."""
     if not isinstance(schema, dict):
         return None
     enum = schema.get("enum")

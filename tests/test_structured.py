@@ -260,7 +260,8 @@ def test_the_grammar_applies_after_the_end_of_reasoning(tok):
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
               "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit/x"]},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit/x",
+                                                                                   "a b#c-d&e~f.(g)"]},
                                                "exact": {"type": "boolean"}, "lat": {"type": "number"}}}}},
          {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
          {"name": "lookup", "strict": True, "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}},
@@ -307,9 +308,9 @@ def test_tool_call_grammar_takes_declared_calls_only(tok):
         body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
         return f"<tool_call>\n<function=get_weather>\n{body}</function>\n</tool_call>"
     good = [dict(days=12, unit="fahrenheit/x", exact="True", lat="-48.5e1"), dict(exact="false", lat=0, days=-3),
-            dict(city="anything at all\nover lines", unit="celsius")]
+            dict(city="anything at all\nover lines", unit="celsius"), dict(unit="a b#c-d&e~f.(g)")]
     bad = [dict(days="three"), dict(days="1.5"), dict(unit="kelvin"), dict(exact="yes"), dict(lat="1,5"),
-           dict(days="07")]
+           dict(days="07"), dict(unit="a b")]
     for values in good:
         assert _accepts(tok, g, weather(**values)), values
     for values in bad:
