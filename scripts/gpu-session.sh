@@ -35,6 +35,9 @@
 #   scripts/gpu-session.sh gemm OUT      one GPU, ~8 min: the dequantising GEMM's tests (the weight ring among them),
 #                                        linear.py per layer with the route's shapes and with the ring, the 27B step
 #                                        at C = 16 / 32 / 64 (route, ring, GEMV), 27B nvfp4 speculation rounds
+#   scripts/gpu-session.sh moe OUT       one GPU, ~4 min: the MoE kernel tests, the 35B-A3B C = 1 step's kernel times
+#                                        (dependent launches off), decode.py 35B-A3B C = 1 / 8 with each of
+#                                        $VARIANTS ("name:ENV=VALUE ...") alternated with the default
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
@@ -50,7 +53,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -194,5 +197,20 @@ PY
         > "$OUT/ncu.txt" 2>&1
     grep -E "^(gate_up|down) |^  gemv_|Duration|DRAM Throughput|One or More Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Waves Per SM" \
         "$OUT/ncu.txt" | cut -c1-150 ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu)" >&2; exit 2 ;;
+  moe)
+    # the 35B-A3B C = 1 step by kernel (dependent launches off, so times add up: the evidence the
+    # seventeenth session relied on, where step times moved by up to 8% between identical settings), then
+    # decode.py with $VARIANTS (e.g. "x:TANDEM_FOO=1") each followed by the default again (againN, an
+    # environment variable nothing reads); the MoE kernel tests first
+    timeout 120 scripts/gpu-tests.sh "$OUT/moe-tests" tests/test_cuda_misc.py -m "gpu and not slow" -k moe \
+        --tb=short --timeout=100 > "$OUT/moe-tests.txt" 2>&1
+    TANDEM_PDL=0 timeout 60 python $B/profile_step.py --model 35b-a3b --top 16 --out "$OUT/profile-35b.json" \
+        > "$OUT/profile-35b.txt" 2>&1
+    VARS=(); i=0
+    for v in ${VARIANTS:-}; do i=$((i + 1)); VARS+=(--variant "$v" --variant "again$i:TANDEM_BENCH_REPEAT=$i"); done
+    timeout 150 python $B/decode.py --model 35b-a3b --weights bf16 --concurrency 1 8 --prefill --steps 10 \
+        "${VARS[@]}" --out "$OUT/decode-35b.json" > "$OUT/decode-35b.txt" 2>&1
+    grep -E "passed|failed" "$OUT/moe-tests.txt" | tail -2
+    head -18 "$OUT/profile-35b.txt"; grep -A12 "^weights variant" "$OUT/decode-35b.txt" ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe)" >&2; exit 2 ;;
 esac
