@@ -127,3 +127,21 @@ def test_decode_window_refuses_requests_that_did_not_decode_together():
     late = [dict(ttft_s=0.05, total_s=0.50, submitted_s=0.0), dict(ttft_s=0.05, total_s=0.50, submitted_s=0.46)]
     with pytest.raises(RuntimeError, match="did not all decode at once"):
         decode_window(late, 2)
+
+
+def test_decode_tp_flag_hands_over_to_decode_tp(monkeypatch):
+    """decode.py --tp: the engine-level tp run (decode_tp.py) gets the model, weights, concurrency, tp
+    degrees, transports and output path, and decode.py times nothing itself."""
+    import decode
+    import decode_tp
+    got = []
+    monkeypatch.setattr(decode_tp, "main", lambda argv: got.append(argv) or 0)
+    monkeypatch.setattr(decode, "measure_bandwidth", lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed")))
+    assert decode.main(["--model", "27b", "--weights", "nvfp4", "bf16", "--concurrency", "1", "8", "--tp", "1", "2",
+                        "--transport", "mailbox", "nccl", "--layers", "4", "--out", "x.json"]) == 0
+    assert got == [["--model", "27b", "--weights", "nvfp4", "bf16", "--tp", "1", "2", "--concurrency", "1", "8",
+                    "--layers", "4", "--transport", "mailbox", "nccl", "--out", "x.json"]]
+    got.clear()
+    decode.main(["--tp", "2"])                              # defaults: decode.py's weights and concurrencies
+    assert got == [["--model", "27b", "--weights", "bf16", "fp8", "nvfp4", "--tp", "2",
+                    "--concurrency", "1", "4", "8", "16", "32"]]

@@ -19,6 +19,11 @@ tokens beside one prefill chunk, with the decodes on the split decode kernel and
 weights (decode steps at each C) in the same run.
 
 Prints a table and writes JSON (configuration, device, commit, results) to --out.
+
+--tp 1 2 [--transport mailbox copies nccl]: tensor parallelism is timed through the whole engine (rank
+processes, transport), which is scripts/bench/decode_tp.py's work: decode.py hands --model, --layers,
+--weights, --concurrency, --tp, --transport and --out over to it (tp 2 with each transport next to
+tp 1, against each rank's bandwidth floor; its docstring has the details) and times nothing itself.
 """
 
 from __future__ import annotations
@@ -274,6 +279,25 @@ def hf_decode(spec_name: str, layers: int | None, concurrency: list[int], contex
     return out
 
 
+def tp_argv(args) -> list[str]:
+    """decode_tp.py's arguments for decode.py's --tp run."""
+    argv = ["--model", args.model, "--weights", *args.weights, "--tp", *map(str, args.tp),
+            "--concurrency", *map(str, args.concurrency)]
+    if args.layers is not None:
+        argv += ["--layers", str(args.layers)]
+    if args.transport:
+        argv += ["--transport", *args.transport]
+    if args.out:
+        argv += ["--out", args.out]
+    return argv
+
+
+def _tp_run(args) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import decode_tp
+    return decode_tp.main(tp_argv(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="27b", help="preset of ranks.random_checkpoint (27b, 35b-a3b, small, ...)")
@@ -298,8 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. nopdl:TANDEM_PDL=0 or pipe:TANDEM_GEMV_VARIANT=pipelined); repeatable, "
                          "the default settings always run first")
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same config")
+    ap.add_argument("--tp", type=int, nargs="+", default=None,
+                    help="time these tensor-parallel degrees through the engine (decode_tp.py) instead")
+    ap.add_argument("--transport", nargs="+", default=None, help="with --tp: the transports (decode_tp.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.tp is not None:
+        return _tp_run(args)
     variants = [("default", {})]
     for v in args.variant:
         name, _, settings = v.partition(":")
