@@ -500,7 +500,8 @@ class Service:
         try:
             return grammar_mod.tool_call_grammar(req.tools, only, parallel, prepared.forced_prefix,
                                                  self.tool_call_id, self.tool_call_end_id)
-        except grammar_mod.GrammarError as e:
+        except (grammar_mod.GrammarError, ValueError, TypeError, RuntimeError) as e:
+            # an optional constraint: a tool set (or an llguidance) it cannot be built for runs as before
             log.warning("request %s: tool_choice not enforced by a grammar: %s", prepared.request_id, e)
             return None
 

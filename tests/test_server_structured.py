@@ -316,6 +316,20 @@ def test_sampling_params_carry_the_grammar(srv):
         assert p.grammar_after == ((service.think_end_id,) if thinking else ())
 
 
+def test_a_tool_grammar_that_cannot_be_built_leaves_the_request_as_before(srv, monkeypatch):
+    """The call grammar is an optional constraint: when it cannot be built (here llguidance refuses it)
+    the request runs unconstrained, as before the grammar existed, instead of failing."""
+    from runtime import grammar as G
+    from server.service import ChatRequest
+
+    def refuse(*a, **k):
+        raise ValueError("no such grammar feature")
+    monkeypatch.setattr(G, "tool_call_grammar", refuse)
+    p = srv.service.prepare(ChatRequest(messages=USER, model="demo", thinking=False, tools=[WEATHER_TOOL],
+                                        tool_choice="required"))
+    assert p.params.grammar is None and p.forced_prefix
+
+
 # ---- the official SDKs, other APIs ------------------------------------------------------------------
 
 def test_openai_sdk_chat_json_schema_and_parse(srv):
