@@ -183,13 +183,13 @@ def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opene
     lines.append(f"call: {head} ({calls}) <[{int(call_end_id)}]>")
     # the first call, continued after what the prompt opened
     prefix = "<tool_call>\n<function="
+    index = {n: i for i, n in alts}
     if not opened:
         first = "call"
     elif opened == "<tool_call>\n<function":
         first = f"\"=\" ({calls}) <[{int(call_end_id)}]>"
-    elif opened.startswith(prefix) and opened.endswith(">\n") and opened[len(prefix):-2] in dict((n, i) for i, n in alts):
-        i = next(i for i, n in alts if n == opened[len(prefix):-2])
-        first = f"b{i} <[{int(call_end_id)}]>"
+    elif opened.startswith(prefix) and opened.endswith(">\n") and opened[len(prefix):-2] in index:
+        first = f"b{index[opened[len(prefix):-2]]} <[{int(call_end_id)}]>"
     else:
         raise GrammarError(f"tool_choice: cannot continue a call opened as {opened!r}")
     lines.append(f"first: {first}")

@@ -108,9 +108,7 @@ def _parser(service, prepared: Prepared) -> parsing.OutputParser | RawContent | 
         # structured outputs: the content is the grammar's text, verbatim (no tools: see Service.output_grammar)
         return RawContent(prepared.start, id_seed=prepared.request_id, id_prefix=req.tool_id_prefix)
     tools = [] if req.tool_choice == "none" or not req.tools else req.tools
-    # a named tool_choice whose call the prompt opened is that one call: the output ends after it
-    parallel = req.parallel_tool_calls and not (isinstance(req.tool_choice, dict) and prepared.forced_prefix)
-    return parsing.OutputParser(prepared.start, tools, parallel, id_seed=prepared.request_id,
+    return parsing.OutputParser(prepared.start, tools, prepared.parallel_calls, id_seed=prepared.request_id,
                                 id_prefix=req.tool_id_prefix)
 
 

@@ -146,6 +146,14 @@ class Prepared:
     claimed: bool = False                   # generate() took the submitted request over
     orphan_guard: Any = None                # cancels a submission that is never run nor released
 
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether the output may hold more than one tool call: parallel_tool_calls, except that a named
+        tool_choice whose call the prompt opened (forced_prefix) is that one call."""
+        req = self.request
+        return bool(getattr(req, "parallel_tool_calls", False)) and not (
+            isinstance(getattr(req, "tool_choice", None), dict) and self.forced_prefix)
+
 
 # Deltas (what generate() yields)
 
@@ -494,11 +502,9 @@ class Service:
                 return None
         else:
             return None
-        # a named call the prompt opened is that one call (generation._parser's rule)
-        parallel = bool(req.parallel_tool_calls) and not (only is not None and prepared.forced_prefix)
         from runtime import grammar as grammar_mod
         try:
-            return grammar_mod.tool_call_grammar(req.tools, only, parallel, prepared.forced_prefix,
+            return grammar_mod.tool_call_grammar(req.tools, only, prepared.parallel_calls, prepared.forced_prefix,
                                                  self.tool_call_id, self.tool_call_end_id)
         except (grammar_mod.GrammarError, ValueError, TypeError, RuntimeError) as e:
             # an optional constraint: a tool set (or an llguidance) it cannot be built for runs as before
