@@ -39,7 +39,7 @@ from kernels.launch import KernelError, check
 PAGE_SIZE = 64
 _SRC = "attention"
 _LOG2E = 1.4426950408889634
-_NR_THREADS = 256                # qk_norm_rope_kv_write_bf16
+_NR_THREADS = 256                # qk_norm_rope_kv_write_*: 8 warps, one head row each
 _NR_MAXD = 512
 _ATT_THREADS = 128               # gqa_decode_split_g* (4 warps)
 _ATT_MAXG = 8                    # query heads per CTA (instantiated 1..8)
@@ -151,12 +151,13 @@ def qk_norm_rope_kv_write(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     tail = (qg, k, v, q_norm_w, k_norm_w, positions, seq_of_col, page_tables,
             H, KV, D, int(rotary_dim), page_tables.shape[1], np.int64(qg.stride(0)), np.int64(k.stride(0)),
             np.int64(v.stride(0)), np.float32(eps), np.float32(theta))
+    grid = (N, -(-(H + 2 * KV) // (_NR_THREADS // 32)))
     if quant:
         fn = L.kernel(_SRC, "qk_norm_rope_kv_write_i8", dev)
-        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool, k_scale, v_scale) + tail, device=dev, pdl=True)
+        L.launch(fn, grid, (_NR_THREADS,), (q_out, k_pool, v_pool, k_scale, v_scale) + tail, device=dev, pdl=True)
     else:
         fn = L.kernel(_SRC, "qk_norm_rope_kv_write_bf16", dev)
-        L.launch(fn, (N,), (_NR_THREADS,), (q_out, k_pool, v_pool) + tail, device=dev, pdl=True)
+        L.launch(fn, grid, (_NR_THREADS,), (q_out, k_pool, v_pool) + tail, device=dev, pdl=True)
     return q_out
 
 

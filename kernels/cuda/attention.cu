@@ -44,8 +44,8 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 
 
 // --------------------------------------------------------------------------------------------------
-// q/k norm + partial rope + paged KV write. grid (N), block 256 (8 warps); D % 8 == 0, D <= 512,
-// R even, R <= D. Row strides (elements) let qg/k/v be views of a fused projection.
+// q/k norm + partial rope + paged KV write. grid (N, ceil((H + 2 KV) / 8)), block 256 (8 warps, one head
+// row each); D % 8 == 0, D <= 512, R even, R <= D. Row strides (elements) let qg/k/v be views of a fused projection.
 
 #define NR_WARPS 8
 #define NR_MAXD 512
@@ -103,56 +103,57 @@ __device__ __forceinline__ void qk_norm_rope_kv_write(bf16_t* __restrict__ q_out
     __shared__ float cos_s[NR_MAXD / 2], sin_s[NR_MAXD / 2];
     __shared__ __align__(16) float row_s[NR_WARPS][NR_MAXD];
 
+    // One head row per warp: unit u = blockIdx.y * NR_WARPS + warp (q heads 0..H-1, then k heads, then
+    // v heads; grid.y = ceil((H + 2 KV) / NR_WARPS)), so the heads of a column run in parallel blocks
+    // (one block looping over them left a chain of ~3 dependent loads per head). The row's loads and its
+    // norm go ahead of the cos/sin table's barrier.
     const int n = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int u = blockIdx.y * NR_WARPS + warp;
+    const int units = H + 2 * KV;
     const int pos = positions[n];
     const int half = R >> 1;
+    const int page = page_tables[(i64_t)seq_of_col[n] * max_pages + (pos >> ATT_PAGE_SHIFT)];
+    const i64_t slot = ((i64_t)page * ATT_PAGE + (pos & (ATT_PAGE - 1))) * KV;   // in units of heads
+    const int nc = D >> 3;                      // 16-byte chunks per head
+    const bool is_v = u >= H + KV && u < units, is_qk = u < H + KV;
 
     // cos/sin as the reference: inv_freq = 1 / theta^(2j/R), freq = pos * inv_freq in fp32,
-    // cos/sin in fp32 rounded to bf16.
+    // cos/sin in fp32 rounded to bf16. Needed only by the rope below (after the barrier).
     for (int j = tid; j < half; j += blockDim.x) {
         const float inv = 1.f / powf(theta, (float)(2 * j) / (float)R);
         const float f = (float)pos * inv;
         cos_s[j] = bf16_round(cosf(f));
         sin_s[j] = bf16_round(sinf(f));
     }
-    __syncthreads();
 
-    const int page = page_tables[(i64_t)seq_of_col[n] * max_pages + (pos >> ATT_PAGE_SHIFT)];
-    const i64_t slot = ((i64_t)page * ATT_PAGE + (pos & (ATT_PAGE - 1))) * KV;   // in units of heads
-
-    const int nc = D >> 3;                      // 16-byte chunks per head
-    const float inv_d = 1.f / (float)D;
-    float* row = row_s[warp];
-
-    for (int u = warp; u < H + 2 * KV; u += NR_WARPS) {
-        if (u >= H + KV) {                      // v: raw copy into the pool
-            const int h = u - H - KV;
-            const uint4* src = reinterpret_cast<const uint4*>(v + n * v_stride + (i64_t)h * D);
-            if constexpr (I8) {                 // quantised: chunks lane, lane + 32 (nc <= 64)
+    if (is_v) {                                 // v: raw copy into the pool (no rope: no barrier needed)
+        const int h = u - H - KV;
+        const uint4* src = reinterpret_cast<const uint4*>(v + n * v_stride + (i64_t)h * D);
+        if constexpr (I8) {                     // quantised: chunks lane, lane + 32 (nc <= 64)
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int c = lane + 32 * i;
-                    float xv[8];
+            for (int i = 0; i < 2; ++i) {
+                const int c = lane + 32 * i;
+                float xv[8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) xv[e] = 0.f;
-                    if (c < nc) unpack8(src[c], xv);
-                    quant_store8(xv, c < nc, c, v_pool + (slot + h) * D, v_scale + (slot + h) * (D / KV_I8_GROUP));
-                }
-            } else {
-                uint4* dst = reinterpret_cast<uint4*>(v_pool + (slot + h) * D);
-                for (int c = lane; c < nc; c += 32) dst[c] = src[c];
+                for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+                if (c < nc) unpack8(src[c], xv);
+                quant_store8(xv, c < nc, c, v_pool + (slot + h) * D, v_scale + (slot + h) * (D / KV_I8_GROUP));
             }
-            continue;
+        } else {
+            uint4* dst = reinterpret_cast<uint4*>(v_pool + (slot + h) * D);
+            for (int c = lane; c < nc; c += 32) dst[c] = src[c];
         }
-        const bool is_q = u < H;
-        const int h = is_q ? u : u - H;
+    }
+
+    const bool is_q = u < H;
+    const int h = is_q ? u : u - H;
+    float x[2][8];
+    float* row = row_s[warp];
+    if (is_qk) {                                // q / k: zero-centred RMSNorm into x and row
         const bf16_t* src = is_q ? qg + n * qg_stride + (i64_t)h * 2 * D : k + n * k_stride + (i64_t)h * D;
         const bf16_t* w = is_q ? q_w : k_w;
-        bf16_t* dst = is_q ? q_out + ((i64_t)n * H + h) * D
-                           : (I8 ? nullptr : reinterpret_cast<bf16_t*>(k_pool) + (slot + h) * D);
-
-        float x[2][8];
+        const float inv_d = 1.f / (float)D;
         float ss = 0.f;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -160,6 +161,9 @@ __device__ __forceinline__ void qk_norm_rope_kv_write(bf16_t* __restrict__ q_out
 #pragma unroll
             for (int e = 0; e < 8; ++e) x[i][e] = 0.f;
             if (c < nc) {
+                // the norm weights, read after the reduction: asked into L1 now (holding them in
+                // registers across the reduction made ptxas spill on sm_120a)
+                asm volatile("prefetch.global.L1 [%0];" :: "l"(reinterpret_cast<const uint4*>(w) + c));
                 unpack8(reinterpret_cast<const uint4*>(src)[c], x[i]);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) ss += x[i][e] * x[i][e];
@@ -181,51 +185,53 @@ __device__ __forceinline__ void qk_norm_rope_kv_write(bf16_t* __restrict__ q_out
                 }
             }
         }
-        __syncwarp();
+    }
+    __syncthreads();                            // cos_s / sin_s, and each warp's row
+    if (!is_qk) return;
+    bf16_t* dst = is_q ? q_out + ((i64_t)n * H + h) * D
+                       : (I8 ? nullptr : reinterpret_cast<bf16_t*>(k_pool) + (slot + h) * D);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int c = lane + 32 * i;
-            if constexpr (I8) {
-                if (!is_q) {                    // k (warp-uniform branch): rope, then quantise
-                    float o[8];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) o[e] = 0.f;
-                    if (c < nc) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            const int d = c * 8 + e;
-                            if (d < R) {
-                                const bool lo = d < half;
-                                const int j = lo ? d : d - half;
-                                const float partner = lo ? -row[d + half] : row[d - half];
-                                o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
-                            } else {
-                                o[e] = x[i][e];
-                            }
-                        }
-                    }
-                    quant_store8(o, c < nc, c, k_pool + (slot + h) * D, k_scale + (slot + h) * (D / KV_I8_GROUP));
-                    continue;
-                }
-            }
-            if (c < nc) {
+    for (int i = 0; i < 2; ++i) {
+        const int c = lane + 32 * i;
+        if constexpr (I8) {
+            if (!is_q) {                        // k (warp-uniform branch): rope, then quantise
                 float o[8];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int d = c * 8 + e;
-                    if (d < R) {
-                        const bool lo = d < half;
-                        const int j = lo ? d : d - half;
-                        const float partner = lo ? -row[d + half] : row[d - half];
-                        o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
-                    } else {
-                        o[e] = x[i][e];
+                for (int e = 0; e < 8; ++e) o[e] = 0.f;
+                if (c < nc) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const int d = c * 8 + e;
+                        if (d < R) {
+                            const bool lo = d < half;
+                            const int j = lo ? d : d - half;
+                            const float partner = lo ? -row[d + half] : row[d - half];
+                            o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
+                        } else {
+                            o[e] = x[i][e];
+                        }
                     }
                 }
-                reinterpret_cast<uint4*>(dst)[c] = pack8(o);
+                quant_store8(o, c < nc, c, k_pool + (slot + h) * D, k_scale + (slot + h) * (D / KV_I8_GROUP));
+                continue;
             }
         }
-        __syncwarp();                           // row is rewritten by this warp's next head
+        if (c < nc) {
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int d = c * 8 + e;
+                if (d < R) {
+                    const bool lo = d < half;
+                    const int j = lo ? d : d - half;
+                    const float partner = lo ? -row[d + half] : row[d - half];
+                    o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
+                } else {
+                    o[e] = x[i][e];
+                }
+            }
+            reinterpret_cast<uint4*>(dst)[c] = pack8(o);
+        }
     }
 }
 
@@ -673,6 +679,8 @@ ATT_SPLIT_I8_KERNEL(3)
 ATT_SPLIT_I8_KERNEL(4)
 
 // --------------------------------------------------------------------------------------------------
+#define COMB_S 256          // splits whose (max, sum) pairs the combine stages in shared memory
+
 // Combine: grid (N, H), block 64. Thread t handles dims [4t, 4t + 4) (+ 256 per round). Reads only
 // the splits that had keys (s * chunk < L), merges them in split order and applies the gate.
 
@@ -687,16 +695,27 @@ gqa_decode_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml, 
     while (active < S && active * chunk < L) ++active;
     const i64_t p0 = ((i64_t)n * H + h) * S;
 
+    // The splits' (max, sum) pairs go to shared memory in one round of parallel loads (a loop over
+    // them in global memory left a chain of dependent L2 round trips); the sums below read them in the
+    // same order as before, so the result is the same bit for bit. More than COMB_S splits: read in place.
+    __shared__ float s_ml[2 * COMB_S];
+    const float* ml = part_ml + 2 * p0;
+    if (active <= COMB_S) {                                 // block-uniform
+        for (int i = threadIdx.x; i < 2 * active; i += blockDim.x) s_ml[i] = ml[i];
+        __syncthreads();
+        ml = s_ml;
+    }
     float M = ATT_NEG_INF;
-    for (int s = 0; s < active; ++s) M = fmaxf(M, part_ml[2 * (p0 + s)]);
+    for (int s = 0; s < active; ++s) M = fmaxf(M, ml[2 * s]);
     float lsum = 0.f;
-    for (int s = 0; s < active; ++s) lsum += part_ml[2 * (p0 + s) + 1] * fast_exp2(part_ml[2 * (p0 + s)] - M);
+    for (int s = 0; s < active; ++s) lsum += ml[2 * s + 1] * fast_exp2(ml[2 * s] - M);
     const float inv = __fdividef(1.f, lsum);
 
     for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 4
         for (int s = 0; s < active; ++s) {
-            const float w = fast_exp2(part_ml[2 * (p0 + s)] - M);
+            const float w = fast_exp2(ml[2 * s] - M);
             const float4 a = *reinterpret_cast<const float4*>(part_acc + (p0 + s) * D + d);
             a0 = fmaf(w, a.x, a0); a1 = fmaf(w, a.y, a1); a2 = fmaf(w, a.z, a2); a3 = fmaf(w, a.w, a3);
         }

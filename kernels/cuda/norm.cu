@@ -6,8 +6,8 @@
 // add_rms_norm:  x_new = bf16(x + y) (torch's bf16 add: fp32 sum, one RNE rounding), stored to x_out
 //                (which may alias x), then out = rms_norm(x_new).
 //
-// One block per row. The row stays in registers between the sum of squares and the output, so x is
-// read once and the in-place forms (out == x, x_out == x) are safe: every element is read and
+// One block per row. The row (and its weights, loaded with it) stays in registers between the sum of
+// squares and the output, so x is read once, no load waits behind the reduction, and the in-place forms (out == x, x_out == x) are safe: every element is read and
 // written by the same thread, reads before the block reduction, writes after it.
 #include "common.cuh"
 
@@ -54,12 +54,14 @@ __device__ __forceinline__ void norm_row_v8(bf16_t* out, bf16_t* x_out, const bf
     const uint4* xv = reinterpret_cast<const uint4*>(x + base);
     const uint4* yv = reinterpret_cast<const uint4*>(y + (ADD ? base : 0));
     uint4* xo = reinterpret_cast<uint4*>(x_out + (ADD ? base : 0));
-    uint4 v[NORM_MAXV];
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    uint4 v[NORM_MAXV], wk[NORM_MAXV];
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < NORM_MAXV; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < nvec) {
+            wk[k] = __ldg(wv + i);                            // with x: not a round trip after the reduction
             uint4 a = xv[i];
             if (ADD) {
                 const uint4 b = yv[i];
@@ -73,15 +75,13 @@ __device__ __forceinline__ void norm_row_v8(bf16_t* out, bf16_t* x_out, const bf
     }
     const float r = norm_rsqrt(block_sum(ss, scratch), inv_e, eps);
     uint4* ov = reinterpret_cast<uint4*>(out + base);
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
 #pragma unroll
     for (int k = 0; k < NORM_MAXV; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < nvec) {
-            const uint4 wk = __ldg(wv + i);
             uint4 o;
-            o.x = norm_scale2(v[k].x, wk.x, r); o.y = norm_scale2(v[k].y, wk.y, r);
-            o.z = norm_scale2(v[k].z, wk.z, r); o.w = norm_scale2(v[k].w, wk.w, r);
+            o.x = norm_scale2(v[k].x, wk[k].x, r); o.y = norm_scale2(v[k].y, wk[k].y, r);
+            o.z = norm_scale2(v[k].z, wk[k].z, r); o.w = norm_scale2(v[k].w, wk[k].w, r);
             ov[i] = o;
         }
     }
@@ -93,13 +93,14 @@ __device__ __forceinline__ void norm_row_generic(bf16_t* out, bf16_t* x_out, con
                                                  const bf16_t* __restrict__ w, int E, float inv_e, float eps) {
     __shared__ float scratch[32];
     const long long base = (long long)blockIdx.x * E;
-    float v[NORM_MAXS];
+    float v[NORM_MAXS], wf[NORM_MAXS];
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < NORM_MAXS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         v[k] = 0.f;
         if (i < E) {
+            wf[k] = bf16_to_f32(__ldg(w + i));
             float a = bf16_to_f32(x[base + i]);
             if (ADD) {
                 const bf16_t s = f32_to_bf16(__fadd_rn(a, bf16_to_f32(y[base + i])));
@@ -115,8 +116,7 @@ __device__ __forceinline__ void norm_row_generic(bf16_t* out, bf16_t* x_out, con
     for (int k = 0; k < NORM_MAXS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < E) {
-            const float wf = bf16_to_f32(__ldg(w + i));
-            out[base + i] = f32_to_bf16(__fmul_rn(__fmul_rn(v[k], r), __fadd_rn(1.f, wf)));
+            out[base + i] = f32_to_bf16(__fmul_rn(__fmul_rn(v[k], r), __fadd_rn(1.f, wf[k])));
         }
     }
 }
