@@ -24,7 +24,10 @@ at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.
 over the whole step with bf16 weights, eleventh and twelfth sessions); "pipe4" is "auto" with the
 pipelined kernels' layer rule stopped at 4 columns (the default until the twelfth session: 27B fp8 at
 C = 8 7.7% slower than auto, nvfp4 the same, docs/perf.md).
-scripts/bench/linear.py --variants times tc against pipelined.
+scripts/bench/linear.py --variants times tc against pipelined. Under "auto", bf16 weights between
+SMALL_BF16_ELEMS and $TANDEM_GEMV_BF16_PIPE_ELEMS elements (BF16_PIPE_ELEMS: 0, off until measured on a
+whole step) take gemv_bf16_pipe at 3..8 columns instead of cuBLAS: the 35B-A3B's C = 8 step was 4-6%
+faster with every bf16 launch on it (eighteenth session), the 27B's 14% slower (eleventh).
 
 Quantised launches of 9..64 columns run the dequantising GEMM gemm_*_n16 / n32 / n64 where it measured
 faster (MM_ENV, mm_wins: nvfp4 from 9 columns in launches of up to 32, fp8 from 17 in launches of up
@@ -63,6 +66,11 @@ GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
 # cuBLAS's split-K launch pair (27B nvfp4 C = 8 step, docs/perf.md thirteenth session: a|b on cuBLAS
 # 0.58 ms per step, ~12 us a layer).
 SMALL_BF16_ELEMS = 1 << 21
+# bf16 weights of more than SMALL_BF16_ELEMS and at most this many elements run launches of 3..8 columns on
+# the pipelined tensor-core GEMV (gemv_bf16_pipe) instead of cuBLAS under the "auto" variant;
+# $TANDEM_GEMV_BF16_PIPE_ELEMS overrides it (read at every launch plan; 0: never).
+BF16_PIPE_ELEMS = 0
+BF16_PIPE_ENV = "TANDEM_GEMV_BF16_PIPE_ELEMS"
 # Benchmarks: another bound than GEMV_COLUMNS for the quantised kinds (1..64; read at every launch plan).
 QCOLUMNS_ENV = "TANDEM_GEMV_QCOLUMNS"
 WARPS = 8
@@ -298,6 +306,8 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     if variant == "pipelined" and pipe_applies(kind, I, T):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
     if variant == "bf16pipe" and kind == "bf16" and T > GEMV_COLUMNS["bf16"] and pipe_applies(kind, I, T):
+        return _route_pipe(O, I, T, kind, sm_count, swiglu)
+    if _bf16_pipe_auto(kind, O, I, T, variant):
         return _route_pipe(O, I, T, kind, sm_count, swiglu)
     if variant in ("auto", "bf16pipe", "pipe4") and kind != "bf16" and pipe_applies(kind, I, T):
         tc = route(O, I, T, kind, sm_count, swiglu, variant="tc")
@@ -685,7 +695,20 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | Non
         return True
     if kind == "bf16" and O is not None and O * I <= SMALL_BF16_ELEMS and T <= MAX_GEMV_COLUMNS:
         return True
+    if _bf16_pipe_auto(kind, O, I, T, variant or gemv_variant()):
+        return True
     return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
+
+
+def bf16_pipe_elems() -> int:
+    """The largest bf16 weight (O * I) whose launches of 3..8 columns take gemv_bf16_pipe under "auto"."""
+    v = L.env_int(BF16_PIPE_ENV, 0)
+    return BF16_PIPE_ELEMS if v is None else v
+
+
+def _bf16_pipe_auto(kind: str, O: int | None, I: int, T: int, variant: str) -> bool:
+    return (variant == "auto" and kind == "bf16" and O is not None and T > GEMV_COLUMNS["bf16"]
+            and SMALL_BF16_ELEMS < O * I <= bf16_pipe_elems() and pipe_applies(kind, I, T))
 
 
 def gemv_columns(kind: str, I: int) -> int:

@@ -38,6 +38,10 @@
 #   scripts/gpu-session.sh moe OUT       one GPU, ~4 min: the MoE kernel tests, the 35B-A3B C = 1 step's kernel times
 #                                        (dependent launches off), decode.py 35B-A3B C = 1 / 8 with each of
 #                                        $VARIANTS ("name:ENV=VALUE ...") alternated with the default
+#   scripts/gpu-session.sh bf16pipe OUT  one GPU, ~5 min: bf16 launches of 3..8 columns on gemv_bf16_pipe for weights
+#                                        up to TANDEM_GEMV_BF16_PIPE_ELEMS (32M / 100M / 600M elements) against
+#                                        cuBLAS (the default), 35B-A3B C = 1 / 4 / 8 and 27B bf16 C = 4 / 8,
+#                                        alternated: the measurement that decides BF16_PIPE_ELEMS
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
@@ -53,7 +57,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe|bf16pipe OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -212,5 +216,17 @@ PY
         "${VARS[@]}" --out "$OUT/decode-35b.json" > "$OUT/decode-35b.txt" 2>&1
     grep -E "passed|failed" "$OUT/moe-tests.txt" | tail -2
     head -18 "$OUT/profile-35b.txt"; grep -A12 "^weights variant" "$OUT/decode-35b.txt" ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe)" >&2; exit 2 ;;
+  bf16pipe)
+    # 35B-A3B: every bf16 layer but the lm_head (32M), then with it (600M); 27B: o_proj (32M), then q_proj,
+    # in_proj and down too (100M); each followed by the default again
+    timeout 150 python $B/decode.py --model 35b-a3b --weights bf16 --concurrency 1 4 8 --steps 10 \
+        --variant p32:TANDEM_GEMV_BF16_PIPE_ELEMS=33554432 --variant again1:TANDEM_BENCH_REPEAT=1 \
+        --variant p600:TANDEM_GEMV_BF16_PIPE_ELEMS=629145600 --variant again2:TANDEM_BENCH_REPEAT=2 \
+        --out "$OUT/bf16pipe-35b.json" > "$OUT/bf16pipe-35b.txt" 2>&1
+    timeout 200 python $B/decode.py --model 27b --weights bf16 --concurrency 4 8 --steps 8 \
+        --variant p32:TANDEM_GEMV_BF16_PIPE_ELEMS=33554432 --variant again1:TANDEM_BENCH_REPEAT=1 \
+        --variant p100:TANDEM_GEMV_BF16_PIPE_ELEMS=104857600 --variant again2:TANDEM_BENCH_REPEAT=2 \
+        --out "$OUT/bf16pipe-27b.json" > "$OUT/bf16pipe-27b.txt" 2>&1
+    grep -A15 "^weights variant" "$OUT/bf16pipe-35b.txt"; grep -A10 "^weights variant" "$OUT/bf16pipe-27b.txt" ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe)" >&2; exit 2 ;;
 esac

@@ -19,6 +19,7 @@ def no_variant_in_the_environment(monkeypatch):
     monkeypatch.setenv(cl.MM_ENV, "0")
     monkeypatch.delenv(cl.MM_SPLITS_ENV, raising=False)
     monkeypatch.delenv(cl.MM_SHAPE_ENV, raising=False)
+    monkeypatch.delenv(cl.BF16_PIPE_ENV, raising=False)
 
 
 @pytest.mark.parametrize("staged", ["all", "0"])
@@ -102,6 +103,37 @@ def test_small_bf16_weight_stays_on_the_gemv_up_to_16_columns():
     big = cl.SMALL_BF16_ELEMS // 5120 + 1
     assert cl.route(big, 5120, 3, "bf16", SM, variant="auto")["path"] == "dequant_matmul"
     assert cl._on_gemv("bf16", 5120, 3) is False          # no O given: the column rule alone
+
+
+def test_bf16_pipe_window_sends_mid_sized_bf16_launches_of_3_to_8_columns_to_the_pipelined_kernel(monkeypatch):
+    """TANDEM_GEMV_BF16_PIPE_ELEMS (default BF16_PIPE_ELEMS, off): under "auto", bf16 weights of more than
+    SMALL_BF16_ELEMS and at most that many elements take gemv_bf16_pipe at 3..8 columns; 1..2 columns
+    keep the CUDA-core GEMV, 9+ cuBLAS, larger weights cuBLAS, small ones gemv_bf16_t*, other variants
+    their own rules; a value that is not a non-negative integer names the variable."""
+    assert cl.BF16_PIPE_ELEMS == 0 and cl.bf16_pipe_elems() == 0
+    assert cl.route(2048, 4096, 8, "bf16", SM, variant="auto")["path"] == "dequant_matmul"
+    monkeypatch.setenv(cl.BF16_PIPE_ENV, str(1 << 25))
+    for O, I in ((2048, 4096), (8192, 2048), (12352, 2048), ((1 << 25) // 4096, 4096)):
+        for T in range(1, 12):
+            for swiglu in (False, True):
+                r = cl.route(O, I, T, "bf16", SM, swiglu=swiglu, variant="auto")
+                if T <= 2:
+                    assert r["kernel"] == f"gemv_bf16_t{T}", (O, I, T, r)
+                elif T <= 8:
+                    assert r["kernel"] == "gemv_bf16_pipe" and r["nt"] == 8, (O, I, T, r)
+                    assert cl._on_gemv("bf16", I, T, "auto", O)
+                else:
+                    assert r["path"] == "dequant_matmul", (O, I, T, r)
+    for O, I in (((1 << 25) // 4096 + 1, 4096), (248320, 2048)):              # past the window
+        assert cl.route(O, I, 8, "bf16", SM, variant="auto")["path"] == "dequant_matmul"
+    assert cl.route(96, 5120, 8, "bf16", SM, variant="auto")["kernel"] == "gemv_bf16_t8"   # small: as before
+    assert cl.route(2048, 4096, 8, "bf16", SM, variant="tc")["path"] == "dequant_matmul"
+    assert cl.route(2048, 4096, 8, "fp8_row", SM, variant="auto")["kernel"] != "gemv_bf16_pipe"
+    assert not cl.pipe_applies("bf16", 2052, 8)
+    assert cl.route(2048, 2052, 8, "bf16", SM, variant="auto")["path"] == "dequant_matmul"   # I % 8 != 0
+    monkeypatch.setenv(cl.BF16_PIPE_ENV, "lots")
+    with pytest.raises(KernelError, match=cl.BF16_PIPE_ENV):
+        cl.route(2048, 4096, 8, "bf16", SM, variant="auto")
 
 
 @pytest.mark.parametrize("mm", ["0", "1"])
