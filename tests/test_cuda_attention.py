@@ -225,6 +225,25 @@ def test_decode_attention_32k(seed):
     _run_decode(c, hint=32768)
 
 
+@pytest.mark.parametrize("path", ["split", "tc"])
+def test_decode_attention_more_splits_than_the_combine_stages(path, seed, monkeypatch):
+    """gqa_decode_combine stages up to COMB_S = 256 splits' (max, sum) pairs in shared memory and reads
+    more in place: with the SM count faked to 4096, one 20 000-key column of a single kv head gets 313
+    splits on either path (checked), and the result still matches the reference."""
+    ca = _ca()
+    monkeypatch.setattr(ca.L, "sm_count", lambda *a, **k: 4096)
+    c = Case("35b-tp2", [20000], 1, seed)
+    c.fill_history(upto_columns=True)
+    if path == "split":
+        S, _ = ca.choose_splits(1, c.KV, c.H // c.KV, 20000, 4096, ca._ATT_MAXG, c.D)
+        assert S > 256
+        _run_decode(c, hint=20000)
+    else:
+        S, _ = ca.choose_tc_splits(c.KV, 20000, 4096, c.H * (c.D + 2) * 4)
+        assert S > 256
+        _run_decode_tc(c, hint=20000)
+
+
 def test_decode_attention_graph_capture(seed):
     """Captured once, replayed with different positions written in place: the lengths are read on
     the device, so the replay follows them."""
