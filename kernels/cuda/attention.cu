@@ -87,6 +87,26 @@ __device__ __forceinline__ void quant_store8(const float* x, bool active, int c,
     if ((c & 7) == 0) scales[c >> 3] = sc;
 }
 
+// Partial NeoX rope of chunk c (dims 8c .. 8c + 7) of a normed head row: x the chunk's values, row the
+// whole row (for the partner dims), cos / sin of the R / 2 frequencies; dims >= R pass through. Each
+// product and the sum rounded to bf16, as the reference.
+__device__ __forceinline__ void rope8(float (&o)[8], const float (&x)[8], int c, int R, const float* row,
+                                      const float* cos_s, const float* sin_s) {
+    const int half = R >> 1;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int d = c * 8 + e;
+        if (d < R) {
+            const bool lo = d < half;
+            const int j = lo ? d : d - half;
+            const float partner = lo ? -row[d + half] : row[d - half];
+            o[e] = bf16_round(bf16_round(x[e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
+        } else {
+            o[e] = x[e];
+        }
+    }
+}
+
 // KV_T bf16_t: the pools hold bf16 (k_scale / v_scale unused); i8_t: int8 codes + fp32 scales.
 template <typename KV_T>
 __device__ __forceinline__ void qk_norm_rope_kv_write(bf16_t* __restrict__ q_out, KV_T* __restrict__ k_pool,
@@ -198,38 +218,14 @@ __device__ __forceinline__ void qk_norm_rope_kv_write(bf16_t* __restrict__ q_out
                 float o[8];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[e] = 0.f;
-                if (c < nc) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const int d = c * 8 + e;
-                        if (d < R) {
-                            const bool lo = d < half;
-                            const int j = lo ? d : d - half;
-                            const float partner = lo ? -row[d + half] : row[d - half];
-                            o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
-                        } else {
-                            o[e] = x[i][e];
-                        }
-                    }
-                }
+                if (c < nc) rope8(o, x[i], c, R, row, cos_s, sin_s);
                 quant_store8(o, c < nc, c, k_pool + (slot + h) * D, k_scale + (slot + h) * (D / KV_I8_GROUP));
                 continue;
             }
         }
         if (c < nc) {
             float o[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int d = c * 8 + e;
-                if (d < R) {
-                    const bool lo = d < half;
-                    const int j = lo ? d : d - half;
-                    const float partner = lo ? -row[d + half] : row[d - half];
-                    o[e] = bf16_round(bf16_round(x[i][e] * cos_s[j]) + bf16_round(partner * sin_s[j]));
-                } else {
-                    o[e] = x[i][e];
-                }
-            }
+            rope8(o, x[i], c, R, row, cos_s, sin_s);
             reinterpret_cast<uint4*>(dst)[c] = pack8(o);
         }
     }
