@@ -42,6 +42,11 @@
 #                                        up to TANDEM_GEMV_BF16_PIPE_ELEMS (32M / 100M / 600M elements) against
 #                                        cuBLAS (the default), 35B-A3B C = 1 / 4 / 8 and 27B bf16 C = 4 / 8,
 #                                        alternated: the measurement that decides BF16_PIPE_ELEMS
+#   scripts/gpu-session.sh shard OUT     one GPU, ~6 min: issue 6's compute part without a second GPU: the 27B nvfp4
+#                                        and bf16 decode step at C = 1 / 8 whole and as rank 0's shard of a tp 2
+#                                        split with its all-reduces left out (decode.py --shard-of 2), and the
+#                                        shard's kernel-time profile (tp 2 / tp 1 <= 0.6 needs the shard at
+#                                        ~0.53x with ~0.6 ms of exchanges on top)
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
@@ -57,7 +62,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe|bf16pipe OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe|bf16pipe|shard OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -216,6 +221,14 @@ PY
         "${VARS[@]}" --out "$OUT/decode-35b.json" > "$OUT/decode-35b.txt" 2>&1
     grep -E "passed|failed" "$OUT/moe-tests.txt" | tail -2
     head -18 "$OUT/profile-35b.txt"; grep -A12 "^weights variant" "$OUT/decode-35b.txt" ;;
+  shard)
+    timeout 200 python $B/decode.py --model 27b --weights nvfp4 bf16 --concurrency 1 8 --steps 8 --prefill \
+        --out "$OUT/shard-whole.json" > "$OUT/shard-whole.txt" 2>&1
+    timeout 150 python $B/decode.py --model 27b --weights nvfp4 bf16 --concurrency 1 8 --steps 8 --prefill \
+        --shard-of 2 --out "$OUT/shard-2.json" > "$OUT/shard-2.txt" 2>&1
+    TANDEM_PDL=0 timeout 60 python $B/profile_step.py --model 27b --weights nvfp4 --shard-of 2 --top 14 \
+        --out "$OUT/shard-prof.json" > "$OUT/shard-prof.txt" 2>&1
+    grep -A5 "^weights variant" "$OUT/shard-whole.txt" "$OUT/shard-2.txt"; head -16 "$OUT/shard-prof.txt" ;;
   bf16pipe)
     # 35B-A3B: every bf16 layer but the lm_head (32M), then with it (600M); 27B: o_proj (32M), then q_proj,
     # in_proj and down too (100M); each followed by the default again
@@ -228,5 +241,5 @@ PY
         --variant p100:TANDEM_GEMV_BF16_PIPE_ELEMS=104857600 --variant again2:TANDEM_BENCH_REPEAT=2 \
         --out "$OUT/bf16pipe-27b.json" > "$OUT/bf16pipe-27b.txt" 2>&1
     grep -A15 "^weights variant" "$OUT/bf16pipe-35b.txt"; grep -A10 "^weights variant" "$OUT/bf16pipe-27b.txt" ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe, shard)" >&2; exit 2 ;;
 esac

@@ -4,6 +4,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
@@ -145,3 +146,31 @@ def test_decode_tp_flag_hands_over_to_decode_tp(monkeypatch):
     decode.main(["--tp", "2"])                              # defaults: decode.py's weights and concurrencies
     assert got == [["--model", "27b", "--weights", "bf16", "fp8", "nvfp4", "--tp", "2",
                     "--concurrency", "1", "4", "8", "16", "32"]]
+
+
+def test_shard_of_refuses_a_split_the_model_cannot_take_before_touching_a_gpu(monkeypatch):
+    """decode.py / profile_step.py --shard-of N: a tp the model's heads do not divide is refused with the
+    sharding rule's message, before any GPU work (so also on a machine without one); N < 1 too."""
+    import decode
+    import profile_step
+    monkeypatch.setattr(decode, "measure_bandwidth", lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed")))
+    for main in (decode.main, profile_step.main):
+        with pytest.raises(SystemExit, match=r"--shard-of 3: .*"):
+            main(["--model", "27b", "--layers", "4", "--shard-of", "3"])
+    with pytest.raises(SystemExit, match="--shard-of 0"):
+        decode.main(["--model", "27b", "--layers", "4", "--shard-of", "0"])
+
+
+def test_a_tp_shard_runs_alone_with_its_all_reduces_left_out():
+    """What decode.py --shard-of builds, on the CPU reference model: rank 0's random shard of a tp 2
+    split with the identity all-reduce, and its state, make a step of the right (vocabulary-split)
+    shape; with tp 1 the whole vocabulary."""
+    from ranks.kvcache import ModelState
+    from ranks.model import Batch, HybridModel
+    from ranks.random_checkpoint import random_shard
+    spec = spec_for("tiny-moe")
+    for tp in (1, 2):
+        m = HybridModel(spec, random_shard(spec, 0, tp, dtype=torch.float32, device="cpu"), tp=tp)
+        st = ModelState(spec, 2, 4, torch.float32, "cpu", tp=tp)
+        out = m.forward(Batch(torch.tensor([3, 5]), [1, 1], [0, 0], [0, 1], torch.arange(4, dtype=torch.int32).view(2, 2)), st)
+        assert out.logits.shape == (2, spec.vocab_size // tp) and torch.isfinite(out.logits).all()

@@ -20,6 +20,11 @@ weights (decode steps at each C) in the same run.
 
 Prints a table and writes JSON (configuration, device, commit, results) to --out.
 
+--shard-of N: rank 0's shard of the model split for tp N, alone on one GPU, its all-reduces left out
+(each returns its input): the compute part of one rank's tp N step, against that shard's floor, where
+no second GPU is at hand. The exchanges' part is scripts/bench/allreduce.py's (two GPUs); a tp 2 step is
+about this plus 2 x layers exchanges. Prefill and --mixed run on the shard too; --hf is skipped.
+
 --tp 1 2 [--transport mailbox copies nccl]: tensor parallelism is timed through the whole engine (rank
 processes, transport), which is scripts/bench/decode_tp.py's work: decode.py hands --model, --layers,
 --weights, --concurrency, --tp, --transport and --out over to it (tp 2 with each transport next to
@@ -198,7 +203,7 @@ def time_prefill(model, state, length: int, chunk: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def time_mixed(model, spec, context: int, C: int, chunk: int, steps: int) -> dict:
+def time_mixed(model, spec, context: int, C: int, chunk: int, steps: int, tp: int = 1) -> dict:
     """Steps that carry C decodes at `context` tokens beside one `chunk`-column prefill chunk (the
     scheduler's mixed steps), with the decodes on the split decode kernel and, for comparison, on the
     prefill kernel with the chunk; the chunk alone and the decodes alone for reference. Medians of
@@ -206,7 +211,7 @@ def time_mixed(model, spec, context: int, C: int, chunk: int, steps: int) -> dic
     from ranks import model_cuda
     per = (context + 1 + PAGE_SIZE - 1) // PAGE_SIZE
     cp = (chunk + PAGE_SIZE - 1) // PAGE_SIZE
-    state = ModelState(spec, C + 1, C * per + cp, torch.bfloat16, "cuda", with_mtp=False)
+    state = ModelState(spec, C + 1, C * per + cp, torch.bfloat16, "cuda", tp=tp, with_mtp=False)
     tables = torch.zeros(C + 1, max(per, cp), dtype=torch.int32)
     for b in range(C):
         tables[b, :per] = torch.arange(b * per, (b + 1) * per)
@@ -322,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. nopdl:TANDEM_PDL=0 or pipe:TANDEM_GEMV_VARIANT=pipelined); repeatable, "
                          "the default settings always run first")
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same config")
+    ap.add_argument("--shard-of", type=int, default=1, metavar="N",
+                    help="time rank 0's shard of a tp N split alone, its all-reduces left out (module docstring)")
     ap.add_argument("--tp", type=int, nargs="+", default=None,
                     help="time these tensor-parallel degrees through the engine (decode_tp.py) instead")
     ap.add_argument("--transport", nargs="+", default=None, help="with --tp: the transports (decode_tp.py)")
@@ -348,6 +355,18 @@ def main(argv: list[str] | None = None) -> int:
         cuda_linear.GEMV_COLUMNS["bf16"] = args.gemv_columns
     torch.manual_seed(0)
     spec = spec_for(args.model, num_layers=args.layers)
+    tp = args.shard_of
+    if tp > 1:
+        from ranks.sharding import ShardError, check_tp
+        try:
+            check_tp(spec, tp)
+        except ShardError as e:
+            raise SystemExit(f"--shard-of {tp}: {e}")
+        if args.hf:
+            print("--hf skipped: transformers runs the whole model, not a shard", flush=True)
+            args.hf = False
+    elif tp < 1:
+        raise SystemExit(f"--shard-of {tp}: expected 1 or more")
     props = torch.cuda.get_device_properties(0)
     # TANDEM_COMMIT names the tree when the checkout's git metadata is not the tree's own (a copy)
     commit = os.environ.get("TANDEM_COMMIT") or subprocess.run(
@@ -358,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {props.name}, {props.multi_processor_count} SMs; read {bw['read_Bps'] / 1e12:.2f} TB/s, "
           f"copy {bw['copy_Bps'] / 1e12:.2f} TB/s (read + write); "
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-    res = dict(model=args.model, layers=spec.num_layers, gemv_columns=dict(cuda_linear.GEMV_COLUMNS), device=props.name, commit=commit,
+    if tp > 1:
+        print(f"rank 0's shard of a tp {tp} split, alone: its all-reduces left out, its own floor", flush=True)
+    res = dict(model=args.model, layers=spec.num_layers, shard_of=tp, gemv_columns=dict(cuda_linear.GEMV_COLUMNS), device=props.name, commit=commit,
                date=time.strftime("%Y-%m-%d"), bandwidth=bw, matmul_flops=mm, decode=[], prefill=[], mixed=[], hf={})
     t0 = time.perf_counter()
-    base = random_shard(spec, 0, 1, dtype=torch.bfloat16, device="cuda")
+    base = random_shard(spec, 0, tp, dtype=torch.bfloat16, device="cuda")
     _fuse_gate_up(base)                                  # once, so each format's model shares it
     torch.cuda.synchronize()
     print(f"random weights: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -371,11 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         weights = dict(base)
         # the format goes to the model, which quantises before it folds the shared expert, as serving does
         # (quantising afterwards left the folded stacks in bf16)
-        model = CudaHybridModel(spec, weights, weight_format=fmt, cuda_graphs=not args.no_graph)
+        model = CudaHybridModel(spec, weights, tp=tp, weight_format=fmt, cuda_graphs=not args.no_graph,
+                                all_reduce_capturable=True)     # tp > 1: the identity all-reduce
         pages = max_c * ((args.context + 2 + PAGE_SIZE - 1) // PAGE_SIZE) + 4
         need_prefill = max(args.prefill or [0])
         pages = max(pages, (need_prefill + PAGE_SIZE - 1) // PAGE_SIZE + 1)
-        state = ModelState(spec, max_c, pages, torch.bfloat16, "cuda", with_mtp=False)
+        state = ModelState(spec, max_c, pages, torch.bfloat16, "cuda", tp=tp, with_mtp=False)
         for vname, env in variants:
             with environment(env):
                 if model.graphs is not None:                # graphs captured under these settings
@@ -412,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = None
             for L in args.mixed:
                 chunk = args.prefill_chunk[0]
-                m = time_mixed(model, spec, L, args.mixed_decodes, chunk, max(3, args.steps // 2))
+                m = time_mixed(model, spec, L, args.mixed_decodes, chunk, max(3, args.steps // 2), tp)
                 res["mixed"].append(dict(context=L, decodes=args.mixed_decodes, chunk=chunk,
                                          **{k + "_s": v for k, v in m.items()}))
                 print(f"mixed step, {args.mixed_decodes} decodes at {L} tokens + a {chunk}-column chunk: "

@@ -67,25 +67,36 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also print the N functions with the most cumulative host time (cProfile) of the steps")
+    ap.add_argument("--shard-of", type=int, default=1, metavar="N",
+                    help="rank 0's shard of a tp N split alone, its all-reduces left out (decode.py --shard-of)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from ranks.model_cuda import CudaHybridModel
+    from ranks.sharding import ShardError, check_tp
     spec = spec_for(args.model, num_layers=args.layers)
-    model = CudaHybridModel(spec, random_shard(spec, device="cuda"), weight_format=args.weights, cuda_graphs=False)
+    tp = args.shard_of
+    try:
+        check_tp(spec, tp)
+    except ShardError as e:
+        raise SystemExit(f"--shard-of {tp}: {e}")
+    if tp > 1 and args.spec_round:
+        raise SystemExit("--shard-of with --spec-round: the speculation round needs the whole model's head")
+    model = CudaHybridModel(spec, random_shard(spec, 0, tp, device="cuda"), tp=tp, weight_format=args.weights,
+                            cuda_graphs=False)
     C = args.concurrency
     if args.prefill:
         L = args.prefill
         pages = (L + PAGE_SIZE - 1) // PAGE_SIZE + 1
-        state = ModelState(spec, C, C * pages, torch.bfloat16, "cuda")
+        state = ModelState(spec, C, C * pages, torch.bfloat16, "cuda", tp=tp)
         ids = torch.randint(0, spec.vocab_size, (C * L,))
         batch = Batch(ids, [L] * C, [0] * C, list(range(C)), torch.arange(C * pages, dtype=torch.int32).view(C, pages))
         what = f"prefill of {C} prompt(s) of {L} tokens" if C > 1 else f"prefill chunk of {L} tokens"
     else:
         per = (args.context + 2 + PAGE_SIZE - 1) // PAGE_SIZE
-        state = ModelState(spec, C, C * per, torch.bfloat16, "cuda")
+        state = ModelState(spec, C, C * per, torch.bfloat16, "cuda", tp=tp)
         batch = Batch(torch.randint(0, spec.vocab_size, (C,)), [1] * C, [args.context] * C, list(range(C)),
                       torch.arange(C * per, dtype=torch.int32).view(C, per))
-        what = f"decode step, C={C}, context {args.context}"
+        what = f"decode step, C={C}, context {args.context}" + (f", rank 0 of a tp {tp} split" if tp > 1 else "")
     if args.spec_round:
         batch, state, what, fn = spec_round(model, spec, args.spec_round, C, args.context)
     else:
