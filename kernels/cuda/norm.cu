@@ -7,8 +7,9 @@
 //                (which may alias x), then out = rms_norm(x_new).
 //
 // One block per row. The row (and its weights, loaded with it) stays in registers between the sum of
-// squares and the output, so x is read once, no load waits behind the reduction, and the in-place forms (out == x, x_out == x) are safe: every element is read and
-// written by the same thread, reads before the block reduction, writes after it.
+// squares and the output, so x is read once, no load waits behind the reduction, and the in-place
+// forms (out == x, x_out == x) are safe: every element is read and written by the same thread, reads
+// before the block reduction, writes after it.
 #include "common.cuh"
 
 #define NORM_MAXV 4      // fast path: 16-byte vectors (8 elements) per thread
