@@ -172,5 +172,6 @@ def test_a_tp_shard_runs_alone_with_its_all_reduces_left_out():
     for tp in (1, 2):
         m = HybridModel(spec, random_shard(spec, 0, tp, dtype=torch.float32, device="cpu"), tp=tp)
         st = ModelState(spec, 2, 4, torch.float32, "cpu", tp=tp)
-        out = m.forward(Batch(torch.tensor([3, 5]), [1, 1], [0, 0], [0, 1], torch.arange(4, dtype=torch.int32).view(2, 2)), st)
+        tables = torch.arange(4, dtype=torch.int32).view(2, 2)
+        out = m.forward(Batch(torch.tensor([3, 5]), [1, 1], [0, 0], [0, 1], tables), st)
         assert out.logits.shape == (2, spec.vocab_size // tp) and torch.isfinite(out.logits).all()

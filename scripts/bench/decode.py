@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     if tp > 1:
         print(f"rank 0's shard of a tp {tp} split, alone: its all-reduces left out, its own floor", flush=True)
-    res = dict(model=args.model, layers=spec.num_layers, shard_of=tp, gemv_columns=dict(cuda_linear.GEMV_COLUMNS), device=props.name, commit=commit,
+    res = dict(model=args.model, layers=spec.num_layers, shard_of=tp, gemv_columns=dict(cuda_linear.GEMV_COLUMNS),
+               device=props.name, commit=commit,
                date=time.strftime("%Y-%m-%d"), bandwidth=bw, matmul_flops=mm, decode=[], prefill=[], mixed=[], hf={})
     t0 = time.perf_counter()
     base = random_shard(spec, 0, tp, dtype=torch.bfloat16, device="cuda")
