@@ -695,9 +695,10 @@ def _on_gemv(kind: str, I: int, T: int, variant: str | None = None, O: int | Non
         return True
     if kind == "bf16" and O is not None and O * I <= SMALL_BF16_ELEMS and T <= MAX_GEMV_COLUMNS:
         return True
-    if _bf16_pipe_auto(kind, O, I, T, variant or gemv_variant()):
+    variant = variant or gemv_variant()
+    if _bf16_pipe_auto(kind, O, I, T, variant):
         return True
-    return kind == "bf16" and (variant or gemv_variant()) in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
+    return kind == "bf16" and variant in ("pipelined", "bf16pipe") and pipe_applies(kind, I, T)
 
 
 def bf16_pipe_elems() -> int:

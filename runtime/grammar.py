@@ -102,7 +102,9 @@ def lark_grammar(text: str, field: str) -> str:
     return grammar
 
 
-def _tool_name(tool: dict) -> str | None:
+def tool_name(tool: dict) -> str | None:
+    """The name of an offered tool or of a named tool_choice, in the OpenAI form ({"function": {"name"}})
+    or the Anthropic one ({"name"}); None when it has none."""
     name = (tool.get("function") or {}).get("name") or tool.get("name")
     return name if isinstance(name, str) and name else None
 
@@ -158,9 +160,9 @@ def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opene
     which keys are present, and the shape of objects and arrays, are not constrained).
     `opened`: the part of the first call the prompt already holds (Service._forced_call: the
     generation prompt opens the call when thinking is off); the grammar starts after it."""
-    tools = [t for t in tools if isinstance(t, dict) and _tool_name(t)]
+    tools = [t for t in tools if isinstance(t, dict) and tool_name(t)]
     if only is not None:
-        tools = [t for t in tools if _tool_name(t) == only]
+        tools = [t for t in tools if tool_name(t) == only]
     if not tools:
         raise GrammarError("tool_choice: no tool to call")
     lines, alts, typed = [], [], {}
@@ -176,7 +178,7 @@ def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool, opene
                 choices.append(f"{json.dumps(f'<parameter={k}>' + chr(10))} {name}")
         lines.append(f"p{i}: ({' | '.join(choices)}) \"\\n\"")
         lines.append(f"b{i}: p{i}* \"</function>\\n\"")
-        alts.append((i, _tool_name(t)))
+        alts.append((i, tool_name(t)))
     lines += [f"{name}: /{term}{_CLOSE}/" for term, name in typed.items()]
     head = f"<[{int(call_id)}]> \"\\n<function=\""
     calls = " | ".join(f"{json.dumps(n + '>' + chr(10))} b{i}" for i, n in alts)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
+from runtime.grammar import tool_name
 from server.request_log import spec_log_record
 
 log = logging.getLogger(__name__)
@@ -455,15 +456,15 @@ class Service:
         if start != "content" or not request.tools or self.template is None or not self.template.xml_tool_calls:
             return ""
         if choice == "required":
-            names = [(t.get("function") or {}).get("name") or t.get("name") for t in request.tools]
-            if len(names) == 1 and isinstance(names[0], str) and names[0]:
+            names = [tool_name(t) for t in request.tools]
+            if len(names) == 1 and names[0]:
                 return f"<tool_call>\n<function={names[0]}>\n"      # one tool: the call is its call
             # not "<function=": byte-level BPE joins "=" to the name ("=get", "_weather"), so a prompt
             # ending on a lone "=" is a token sequence the model never wrote and it loses the call
             return "<tool_call>\n<function"
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") or choice.get("name")
-            if isinstance(name, str) and name:
+            name = tool_name(choice)
+            if name:
                 return f"<tool_call>\n<function={name}>\n"
         return ""
 
@@ -497,8 +498,8 @@ class Service:
         if choice == "required":
             only = None
         elif isinstance(choice, dict):
-            only = (choice.get("function") or {}).get("name") or choice.get("name")
-            if not isinstance(only, str) or not only:
+            only = tool_name(choice)
+            if not only:
                 return None
         else:
             return None

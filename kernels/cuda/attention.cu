@@ -45,7 +45,8 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 
 // --------------------------------------------------------------------------------------------------
 // q/k norm + partial rope + paged KV write. grid (N, ceil((H + 2 KV) / 8)), block 256 (8 warps, one head
-// row each); D % 8 == 0, D <= 512, R even, R <= D. Row strides (elements) let qg/k/v be views of a fused projection.
+// row each); D % 8 == 0, D <= 512, R even, R <= D. Row strides (elements) let qg/k/v be views of a
+// fused projection.
 
 #define NR_WARPS 8
 #define NR_MAXD 512

@@ -356,17 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     spec = spec_for(args.model, num_layers=args.layers)
     tp = args.shard_of
-    if tp > 1:
-        from ranks.sharding import ShardError, check_tp
-        try:
-            check_tp(spec, tp)
-        except ShardError as e:
-            raise SystemExit(f"--shard-of {tp}: {e}")
-        if args.hf:
-            print("--hf skipped: transformers runs the whole model, not a shard", flush=True)
-            args.hf = False
-    elif tp < 1:
-        raise SystemExit(f"--shard-of {tp}: expected 1 or more")
+    from ranks.sharding import ShardError, check_tp
+    try:
+        check_tp(spec, tp)
+    except ShardError as e:
+        raise SystemExit(f"--shard-of {tp}: {e}")
+    if tp > 1 and args.hf:
+        print("--hf skipped: transformers runs the whole model, not a shard", flush=True)
+        args.hf = False
     props = torch.cuda.get_device_properties(0)
     # TANDEM_COMMIT names the tree when the checkout's git metadata is not the tree's own (a copy)
     commit = os.environ.get("TANDEM_COMMIT") or subprocess.run(
