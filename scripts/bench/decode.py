@@ -303,6 +303,16 @@ def _tp_run(args) -> int:
     return decode_tp.main(tp_argv(args))
 
 
+def check_shard_of(spec, tp: int) -> int:
+    """--shard-of's N, or SystemExit with the sharding rule's message when the model cannot be split so."""
+    from ranks.sharding import ShardError, check_tp
+    try:
+        check_tp(spec, tp)
+    except ShardError as e:
+        raise SystemExit(f"--shard-of {tp}: {e}")
+    return tp
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="27b", help="preset of ranks.random_checkpoint (27b, 35b-a3b, small, ...)")
@@ -355,12 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_linear.GEMV_COLUMNS["bf16"] = args.gemv_columns
     torch.manual_seed(0)
     spec = spec_for(args.model, num_layers=args.layers)
-    tp = args.shard_of
-    from ranks.sharding import ShardError, check_tp
-    try:
-        check_tp(spec, tp)
-    except ShardError as e:
-        raise SystemExit(f"--shard-of {tp}: {e}")
+    tp = check_shard_of(spec, args.shard_of)
     if tp > 1 and args.hf:
         print("--hf skipped: transformers runs the whole model, not a shard", flush=True)
         args.hf = False

@@ -72,13 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from ranks.model_cuda import CudaHybridModel
-    from ranks.sharding import ShardError, check_tp
+    from decode import check_shard_of
     spec = spec_for(args.model, num_layers=args.layers)
-    tp = args.shard_of
-    try:
-        check_tp(spec, tp)
-    except ShardError as e:
-        raise SystemExit(f"--shard-of {tp}: {e}")
+    tp = check_shard_of(spec, args.shard_of)
     if tp > 1 and args.spec_round:
         raise SystemExit("--shard-of with --spec-round: the speculation round needs the whole model's head")
     model = CudaHybridModel(spec, random_shard(spec, 0, tp, device="cuda"), tp=tp, weight_format=args.weights,
