@@ -25,9 +25,10 @@ over the whole step with bf16 weights, eleventh and twelfth sessions); "pipe4" i
 pipelined kernels' layer rule stopped at 4 columns (the default until the twelfth session: 27B fp8 at
 C = 8 7.7% slower than auto, nvfp4 the same, docs/perf.md).
 scripts/bench/linear.py --variants times tc against pipelined. Under "auto", bf16 weights between
-SMALL_BF16_ELEMS and $TANDEM_GEMV_BF16_PIPE_ELEMS elements (BF16_PIPE_ELEMS: 0, off until measured on a
-whole step) take gemv_bf16_pipe at 3..8 columns instead of cuBLAS: the 35B-A3B's C = 8 step was 4-6%
-faster with every bf16 launch on it (eighteenth session), the 27B's 14% slower (eleventh).
+SMALL_BF16_ELEMS and $TANDEM_GEMV_BF16_PIPE_ELEMS elements (BF16_PIPE_ELEMS, 100M: every bf16 layer but
+the 27B's gate|up and the lm_heads) take gemv_bf16_pipe at 3..8 columns instead of cuBLAS: the 35B-A3B's
+C = 4 / 8 steps 4-6% faster, the 27B's 3-7% (nineteenth session; the 27B with every bf16 launch on it,
+gate|up and lm_head too, was 14% slower, eleventh).
 
 Quantised launches of 9..64 columns run the dequantising GEMM gemm_*_n16 / n32 / n64 where it measured
 faster (MM_ENV, mm_wins: nvfp4 from 9 columns in launches of up to 32, fp8 from 17 in launches of up
@@ -68,8 +69,10 @@ GEMV_COLUMNS = {"bf16": 2, "fp8_row": 64, "fp8_block": 64, "nvfp4": 64}
 SMALL_BF16_ELEMS = 1 << 21
 # bf16 weights of more than SMALL_BF16_ELEMS and at most this many elements run launches of 3..8 columns on
 # the pipelined tensor-core GEMV (gemv_bf16_pipe) instead of cuBLAS under the "auto" variant;
-# $TANDEM_GEMV_BF16_PIPE_ELEMS overrides it (read at every launch plan; 0: never).
-BF16_PIPE_ELEMS = 0
+# $TANDEM_GEMV_BF16_PIPE_ELEMS overrides it (read at every launch plan; 0: never). 100M elements takes the
+# 27B's q_proj, GDN in_proj and down (63-89M) and every 35B-A3B bf16 layer but the lm_head, and leaves
+# the 27B's gate|up (178M) and both lm_heads on cuBLAS (docs/perf.md, nineteenth session).
+BF16_PIPE_ELEMS = 100 << 20
 BF16_PIPE_ENV = "TANDEM_GEMV_BF16_PIPE_ELEMS"
 # Benchmarks: another bound than GEMV_COLUMNS for the quantised kinds (1..64; read at every launch plan).
 QCOLUMNS_ENV = "TANDEM_GEMV_QCOLUMNS"

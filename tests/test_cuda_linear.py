@@ -155,11 +155,25 @@ def test_routes_to_cublas(T, seed, monkeypatch):
     weight (the GDN a|b) stays on the GEMV: same results."""
     from kernels import cuda_linear
     monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=2))
+    monkeypatch.setenv(cuda_linear.BF16_PIPE_ENV, "0")          # the mid-sized window: the test below
     assert cuda_linear.route(5120, 6144, T, "bf16", 132)["path"] == "dequant_matmul"
     _run_linear("bf16", 5120, 6144, T, seed)
     _run_linear("bf16", 5120, 6144, T, seed + 1, residual=True)
     assert cuda_linear.route(96, 5120, T, "bf16", 132)["path"] == "gemv"
     _run_linear("bf16", 96, 5120, T, seed + 2)
+
+
+@pytest.mark.parametrize("T", (3, 5, 8))
+@pytest.mark.parametrize("O,I", [(5120, 6144), (12288, 5120), (5120, 17408), (2048, 4096)])
+def test_mid_sized_bf16_routes_to_the_pipelined_gemv(O, I, T, seed, monkeypatch):
+    """With the production route table, a bf16 weight inside BF16_PIPE_ELEMS (the 27B's o / q / down,
+    the 35B-A3B's layers) at 3..8 columns runs gemv_bf16_pipe: within the reference's bounds."""
+    from kernels import cuda_linear
+    monkeypatch.setattr(cuda_linear, "GEMV_COLUMNS", dict(cuda_linear.GEMV_COLUMNS, bf16=2))
+    monkeypatch.delenv(cuda_linear.BF16_PIPE_ENV, raising=False)
+    assert cuda_linear.route(O, I, T, "bf16", 132)["kernel"] == "gemv_bf16_pipe"
+    _run_linear("bf16", O, I, T, seed)
+    _run_linear("bf16", O, I, T, seed + 1, residual=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -101,16 +101,22 @@ def test_small_bf16_weight_stays_on_the_gemv_up_to_16_columns():
             assert r["path"] == "gemv" and r["kernel"] == f"gemv_bf16_t{next(b for b in (1, 2, 4, 8, 16) if b >= T)}"
         assert cl.route(O, I, cl.MAX_GEMV_COLUMNS + 1, "bf16", SM)["path"] == "dequant_matmul"
     big = cl.SMALL_BF16_ELEMS // 5120 + 1
-    assert cl.route(big, 5120, 3, "bf16", SM, variant="auto")["path"] == "dequant_matmul"
+    assert cl.route(big, 5120, 3, "bf16", SM, variant="auto")["kernel"] == "gemv_bf16_pipe"   # BF16_PIPE_ELEMS
+    assert cl.route(big, 5120, 3, "bf16", SM, variant="tc")["path"] == "dequant_matmul"
     assert cl._on_gemv("bf16", 5120, 3) is False          # no O given: the column rule alone
 
 
 def test_bf16_pipe_window_sends_mid_sized_bf16_launches_of_3_to_8_columns_to_the_pipelined_kernel(monkeypatch):
-    """TANDEM_GEMV_BF16_PIPE_ELEMS (default BF16_PIPE_ELEMS, off): under "auto", bf16 weights of more than
+    """TANDEM_GEMV_BF16_PIPE_ELEMS (default BF16_PIPE_ELEMS, 100M): under "auto", bf16 weights of more than
     SMALL_BF16_ELEMS and at most that many elements take gemv_bf16_pipe at 3..8 columns; 1..2 columns
     keep the CUDA-core GEMV, 9+ cuBLAS, larger weights cuBLAS, small ones gemv_bf16_t*, other variants
     their own rules; a value that is not a non-negative integer names the variable."""
-    assert cl.BF16_PIPE_ELEMS == 0 and cl.bf16_pipe_elems() == 0
+    assert cl.bf16_pipe_elems() == cl.BF16_PIPE_ELEMS == 100 << 20
+    for O, I in ((12288, 5120), (16384, 5120), (5120, 17408), (2048, 4096)):  # 27B q / in_proj / down; 35B
+        assert cl.route(O, I, 8, "bf16", SM, variant="auto")["kernel"] == "gemv_bf16_pipe", (O, I)
+    for O, I in ((34816, 5120), (248320, 5120)):                              # 27B gate|up, lm_head
+        assert cl.route(O, I, 8, "bf16", SM, variant="auto")["path"] == "dequant_matmul", (O, I)
+    monkeypatch.setenv(cl.BF16_PIPE_ENV, "0")
     assert cl.route(2048, 4096, 8, "bf16", SM, variant="auto")["path"] == "dequant_matmul"
     monkeypatch.setenv(cl.BF16_PIPE_ENV, str(1 << 25))
     for O, I in ((2048, 4096), (8192, 2048), (12352, 2048), ((1 << 25) // 4096, 4096)):
