@@ -107,6 +107,12 @@ PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 # (tp 1: 11.42 ms).
 PIPE_BLOCKS_PER_SM = 2
 PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
+# The CUDA-core GEMV (gemv_*_t1..t16): ks is the smallest of 1, 2, 4, 8 giving at least this many blocks per
+# SM; TANDEM_GEMV_BLOCKS overrides it (benchmarks, read at every launch plan). The 35B-A3B's 2048 x 4096
+# layers take ks 8 under it and ran at 53% of the floor alone where ks 2 ran at 62% (docs/perf.md,
+# eighteenth session).
+BLOCKS_PER_SM = 4
+BLOCKS_ENV = "TANDEM_GEMV_BLOCKS"
 # gemv_*_xs16 / xs32 stage x in shared memory per block (gemv.cu) where gemv_*_tc16 / tc32 read it from
 # L1 / L2 in every warp. TANDEM_GEMV_STAGED (read at every launch plan): "auto" (the default) sends nvfp4
 # launches of 17..32 columns to gemv_nvfp4_xs32, "all" every quantised launch of 9..32 columns to the
@@ -329,7 +335,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     ks_cap = 1
     while ks_cap < WARPS and (ks_cap * 2) * 32 <= chunks:
         ks_cap *= 2
-    ks = _pick_ks(units, ks_cap, sm_count)
+    ks = _pick_ks(units, ks_cap, sm_count, L.env_int(BLOCKS_ENV, 1, 8) or BLOCKS_PER_SM)
     blocks = -(-units // (WARPS // ks))
     tag = _KIND_TAG.get(ekind, ekind)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{tag}_t{nt}", "nt": nt, "ks": ks,

@@ -20,6 +20,7 @@ def no_variant_in_the_environment(monkeypatch):
     monkeypatch.delenv(cl.MM_SPLITS_ENV, raising=False)
     monkeypatch.delenv(cl.MM_SHAPE_ENV, raising=False)
     monkeypatch.delenv(cl.BF16_PIPE_ENV, raising=False)
+    monkeypatch.delenv(cl.BLOCKS_ENV, raising=False)
 
 
 @pytest.mark.parametrize("staged", ["all", "0"])
@@ -455,3 +456,19 @@ def test_gemm_table_matches_the_kernel_source():
         ring, name, kind, nb, mt, p, per_sm, d = m.groups()
         found[name] = (kind_of[kind], int(nb), int(mt), int(p), int(per_sm), int(d) if ring else 0)
     assert found == cl._MM_KERNELS
+
+
+def test_gemv_blocks_per_sm_sets_the_cuda_core_kernels_i_split(monkeypatch):
+    """TANDEM_GEMV_BLOCKS (default BLOCKS_PER_SM, 4): the smallest ks of 1, 2, 4, 8 that gives that many
+    blocks per SM on gemv_bf16_t*; a value outside 1..8 names the variable."""
+    monkeypatch.delenv(cl.BLOCKS_ENV, raising=False)
+    monkeypatch.delenv(cl.VARIANT_ENV, raising=False)
+    r = cl.route(2048, 4096, 1, "bf16", SM)                   # 1024 units of 2 rows: 128 blocks a warp each
+    assert r["kernel"] == "gemv_bf16_t1" and r["ks"] == 8 and r["grid"] == (1024,)
+    for per_sm, ks in (("1", 2), ("2", 4), ("4", 8)):
+        monkeypatch.setenv(cl.BLOCKS_ENV, per_sm)
+        r = cl.route(2048, 4096, 1, "bf16", SM)
+        assert r["ks"] == ks and r["grid"][0] * (cl.WARPS // ks) >= 1024 and r["grid"][0] >= int(per_sm) * SM
+    monkeypatch.setenv(cl.BLOCKS_ENV, "9")
+    with pytest.raises(KernelError, match=cl.BLOCKS_ENV):
+        cl.route(2048, 4096, 1, "bf16", SM)
