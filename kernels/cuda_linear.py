@@ -108,10 +108,13 @@ PIPE_MAX_COLUMNS = 8                   # gemv_*_pipe: one column tile of 8
 PIPE_BLOCKS_PER_SM = 2
 PIPE_BLOCKS_ENV = "TANDEM_GEMV_PIPE_BLOCKS"   # benchmarks: another PIPE_BLOCKS_PER_SM (read at every launch plan)
 # The CUDA-core GEMV (gemv_*_t1..t16): ks is the smallest of 1, 2, 4, 8 giving at least this many blocks per
-# SM; TANDEM_GEMV_BLOCKS overrides it (benchmarks, read at every launch plan). The 35B-A3B's 2048 x 4096
-# layers take ks 8 under it and ran at 53% of the floor alone where ks 2 ran at 62% (docs/perf.md,
-# eighteenth session).
-BLOCKS_PER_SM = 4
+# SM, by weight kind; TANDEM_GEMV_BLOCKS overrides it for every kind (benchmarks, read at every launch
+# plan). bf16 1 (4 until the nineteenth session): gemv_bf16_t1 takes 70 registers, so 3 of its blocks fit
+# an SM, and 4 per SM made the 27B's 5120-row layers 640 blocks (1.6 waves; 320 at 1, one wave) and the
+# 35B-A3B's 2048 x 4096 ones ks 8 (256 blocks at ks 2 with 1): measured on an H200, the 27B bf16 C = 1
+# step 1.1-1.4% faster, the 35B-A3B's GEMV kernel time per step 1.337 -> 1.293 ms (docs/perf.md). The
+# quantised kinds' CUDA-core kernels (small layers at T = 1 only) keep 4: not measured.
+BLOCKS_PER_SM = {"bf16": 1, "fp8_row": 4, "fp8_block": 4, "nvfp4": 4}
 BLOCKS_ENV = "TANDEM_GEMV_BLOCKS"
 # gemv_*_xs16 / xs32 stage x in shared memory per block (gemv.cu) where gemv_*_tc16 / tc32 read it from
 # L1 / L2 in every warp. TANDEM_GEMV_STAGED (read at every launch plan): "auto" (the default) sends nvfp4
@@ -284,8 +287,8 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     """The launch plan for one linear: which kernel, how many warps split a row pair, the grid.
 
     A unit is two weight rows (gate row f and up row F+f for SwiGLU); a block of 8 warps covers
-    8/ks units, ks warps splitting I. ks is the smallest of 1, 2, 4, 8 that gives >= 4 blocks per SM
-    (so small-O layers still fill the GPU), capped so that each of the ks warps gets at least one
+    8/ks units, ks warps splitting I. ks is the smallest of 1, 2, 4, 8 that gives >= BLOCKS_PER_SM[kind]
+    blocks per SM (so small-O layers still fill the GPU; bf16 1, the rest 4), capped so that each of the ks warps gets at least one
     16-byte chunk per lane (ks * 32 <= chunks per row). More than GEMV_COLUMNS[kind] columns route to
     dequantise + cuBLAS; between launch_columns() and that, the GEMV runs in launches of
     launch_columns() columns (this plan is then the one of a full launch).
@@ -335,7 +338,7 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
     ks_cap = 1
     while ks_cap < WARPS and (ks_cap * 2) * 32 <= chunks:
         ks_cap *= 2
-    ks = _pick_ks(units, ks_cap, sm_count, L.env_int(BLOCKS_ENV, 1, 8) or BLOCKS_PER_SM)
+    ks = _pick_ks(units, ks_cap, sm_count, L.env_int(BLOCKS_ENV, 1, 8) or BLOCKS_PER_SM[kind])
     blocks = -(-units // (WARPS // ks))
     tag = _KIND_TAG.get(ekind, ekind)
     return {"path": "gemv", "kind": kind, "kernel": f"gemv_{tag}_t{nt}", "nt": nt, "ks": ks,
@@ -373,8 +376,8 @@ def launch_columns(kind: str, I: int) -> int:
 def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) -> dict:
     """Tensor-core GEMV (gemv_*_tc, gemv.cu): a warp owns a tile of 16 rows (SwiGLU: 8 gate rows and
     their 8 up rows) times 1, 2 or 4 tiles of 8 columns, and steps through I 64 bytes of each row at
-    a time (4 lanes x 16 bytes); ks warps of a block split the steps. Same ks rule as route(): the
-    smallest giving >= 4 blocks per SM, capped so that each of the ks warps gets at least one step."""
+    a time (4 lanes x 16 bytes); ks warps of a block split the steps. ks: the smallest giving >= 4
+    blocks per SM (route()'s rule for the quantised kinds), capped so that each of the ks warps gets at least one step."""
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     steps = -(-(I // _EPC[kind]) // 4)
     ks_cap = 1

@@ -41,7 +41,7 @@
 #   scripts/gpu-session.sh bf16pipe OUT  one GPU, ~5 min: bf16 launches of 3..8 columns on gemv_bf16_pipe for weights
 #                                        up to TANDEM_GEMV_BF16_PIPE_ELEMS (32M / 100M / 600M elements) against
 #                                        cuBLAS (the default), 35B-A3B C = 1 / 4 / 8 and 27B bf16 C = 4 / 8,
-#                                        alternated: the measurement that decides BF16_PIPE_ELEMS
+#                                        alternated (the measurement that set BF16_PIPE_ELEMS to 100M)
 #   scripts/gpu-session.sh shard OUT     one GPU, ~6 min: issue 6's compute part without a second GPU: the 27B nvfp4
 #                                        and bf16 decode step at C = 1 / 8 whole and as rank 0's shard of a tp 2
 #                                        split with its all-reduces left out (decode.py --shard-of 2), and the

@@ -459,16 +459,22 @@ def test_gemm_table_matches_the_kernel_source():
 
 
 def test_gemv_blocks_per_sm_sets_the_cuda_core_kernels_i_split(monkeypatch):
-    """TANDEM_GEMV_BLOCKS (default BLOCKS_PER_SM, 4): the smallest ks of 1, 2, 4, 8 that gives that many
-    blocks per SM on gemv_bf16_t*; a value outside 1..8 names the variable."""
+    """TANDEM_GEMV_BLOCKS (default BLOCKS_PER_SM: bf16 1, the quantised kinds 4): the smallest ks of 1, 2,
+    4, 8 that gives that many blocks per SM on gemv_*_t*; a value outside 1..8 names the variable."""
     monkeypatch.delenv(cl.BLOCKS_ENV, raising=False)
     monkeypatch.delenv(cl.VARIANT_ENV, raising=False)
-    r = cl.route(2048, 4096, 1, "bf16", SM)                   # 1024 units of 2 rows: 128 blocks a warp each
-    assert r["kernel"] == "gemv_bf16_t1" and r["ks"] == 8 and r["grid"] == (1024,)
+    # 35B-A3B o_proj: 1024 units of 2 rows, 8 warps a block; 27B o_proj / down: 2560 units
+    assert cl.BLOCKS_PER_SM["bf16"] == 1
+    assert {k: cl.route(2048, 4096, 1, "bf16", SM)[k] for k in ("kernel", "ks", "grid")} == \
+        {"kernel": "gemv_bf16_t1", "ks": 2, "grid": (256,)}
+    assert cl.route(5120, 17408, 2, "bf16", SM)["ks"] == 1 and cl.route(5120, 6144, 1, "bf16", SM)["grid"] == (320,)
+    r = cl.route(2048, 4096, 1, "fp8_row", SM)
+    assert r["kernel"] == "gemv_fp8row_t1" and r["ks"] == 8                  # 4 per SM: 1024 blocks
     for per_sm, ks in (("1", 2), ("2", 4), ("4", 8)):
         monkeypatch.setenv(cl.BLOCKS_ENV, per_sm)
-        r = cl.route(2048, 4096, 1, "bf16", SM)
-        assert r["ks"] == ks and r["grid"][0] * (cl.WARPS // ks) >= 1024 and r["grid"][0] >= int(per_sm) * SM
+        for kind in ("bf16", "fp8_row"):
+            r = cl.route(2048, 4096, 1, kind, SM)
+            assert r["ks"] == ks and r["grid"][0] * (cl.WARPS // ks) >= 1024 and r["grid"][0] >= int(per_sm) * SM
     monkeypatch.setenv(cl.BLOCKS_ENV, "9")
     with pytest.raises(KernelError, match=cl.BLOCKS_ENV):
         cl.route(2048, 4096, 1, "bf16", SM)
