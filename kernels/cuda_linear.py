@@ -18,8 +18,7 @@ Variants (TANDEM_GEMV_VARIANT, read by route() at every launch plan, so also at 
 tensor-core kernels gemv_{bf16,fp8row,fp8blk,nvfp4}_pipe wherever they apply (bf16: I % 8 == 0, fp8:
 I % 16 == 0, nvfp4: I % 64 == 0), small layers included, and bf16 layers of 3-8 columns there
 instead of to cuBLAS; "auto" (the default) uses the quantised ones where they were measured faster
-(pipe_wins) and keeps bf16 on the CUDA-core kernels (gemv_bf16_pipe is new and not yet measured);
-"bf16pipe" is "auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
+(pipe_wins), and gemv_bf16_pipe for mid-sized bf16 weights at 3..8 columns (below); "bf16pipe" is "auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
 at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md; measured 14% slower
 over the whole step with bf16 weights, eleventh and twelfth sessions); "pipe4" is "auto" with the
 pipelined kernels' layer rule stopped at 4 columns (the default until the twelfth session: 27B fp8 at
