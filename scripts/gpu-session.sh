@@ -46,7 +46,8 @@
 #                                        and bf16 decode step at C = 1 / 8 whole and as rank 0's shard of a tp 2
 #                                        split with its all-reduces left out (decode.py --shard-of 2), and the
 #                                        shard's kernel-time profile (tp 2 / tp 1 <= 0.6 needs the shard at
-#                                        ~0.53x with ~0.6 ms of exchanges on top)
+#                                        ~0.53x with ~0.6 ms of exchanges on top), and linear.py's nvfp4 GEMVs per
+#                                        layer whole and halved (--shard-of 1 / 2)
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
@@ -228,7 +229,12 @@ PY
         --shard-of 2 --out "$OUT/shard-2.json" > "$OUT/shard-2.txt" 2>&1
     TANDEM_PDL=0 timeout 60 python $B/profile_step.py --model 27b --weights nvfp4 --shard-of 2 --top 14 \
         --out "$OUT/shard-prof.json" > "$OUT/shard-prof.txt" 2>&1
-    grep -A5 "^weights variant" "$OUT/shard-whole.txt" "$OUT/shard-2.txt"; head -16 "$OUT/shard-prof.txt" ;;
+    for n in 1 2; do                                  # the nvfp4 GEMVs per layer, whole and halved
+      timeout 90 python $B/linear.py --variants --kinds nvfp4 --columns 1 8 --shard-of $n \
+          --out "$OUT/shard-linear-$n.json" > "$OUT/shard-linear-$n.txt" 2>&1
+    done
+    grep -A5 "^weights variant" "$OUT/shard-whole.txt" "$OUT/shard-2.txt"; head -16 "$OUT/shard-prof.txt"
+    grep -h -A3 "^All layers" "$OUT/shard-linear-1.txt" "$OUT/shard-linear-2.txt" ;;
   bf16pipe)
     # 35B-A3B: every bf16 layer but the lm_head (32M), then with it (600M); 27B: o_proj (32M), then q_proj,
     # in_proj and down too (100M); each followed by the default again

@@ -175,3 +175,22 @@ def test_a_tp_shard_runs_alone_with_its_all_reduces_left_out():
         tables = torch.arange(4, dtype=torch.int32).view(2, 2)
         out = m.forward(Batch(torch.tensor([3, 5]), [1, 1], [0, 0], [0, 1], tables), st)
         assert out.logits.shape == (2, spec.vocab_size // tp) and torch.isfinite(out.logits).all()
+
+
+def test_linear_shard_of_splits_each_layer_on_its_parallel_dimension():
+    """linear.py --shard-of N: column-parallel layers keep O / N rows, o_proj and down I / N columns;
+    a tp the shapes do not divide is refused naming the layer, before any GPU work."""
+    import linear
+    whole = dict((n, (O, I)) for n, O, I in linear.SHAPES["27b"])
+    half = dict((n, (O, I)) for n, O, I in linear.shard_shapes(linear.SHAPES["27b"], 2))
+    assert half["o_proj"] == (5120, 3072) and half["down"] == (5120, 8704)
+    assert half["gate_up"] == (17408, 5120) and half["lm_head"] == (124160, 5120) and half["a_b"] == (48, 5120)
+    for n, (O, I) in whole.items():
+        assert half[n][0] * half[n][1] * 2 == O * I
+    assert linear.shard_shapes(linear.SHAPES["35b-a3b"], 1) == linear.SHAPES["35b-a3b"]
+    with pytest.raises(ValueError, match="kv_proj's out_features 1024"):
+        linear.shard_shapes(linear.SHAPES["27b"], 3)
+    with pytest.raises(SystemExit):
+        linear.main(["--shard-of", "3"])
+    with pytest.raises(SystemExit):
+        linear.main(["--shard-of", "2", "--split"])

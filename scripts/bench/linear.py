@@ -6,9 +6,12 @@ column count T and weight format, against the bytes each must read at the bandwi
     python scripts/bench/linear.py --variants --out variants.json [--model 27b] [--ks 1 2 4 8]
     python scripts/bench/linear.py --split --out split.json [--model 27b] [--columns 1 4 8]
     python scripts/bench/linear.py --dequant --out dequant.json [--model 27b] [--columns 449]
+    python scripts/bench/linear.py --variants --shard-of 2 --kinds nvfp4 --out shard.json
     ncu --clock-control none --kernel-name regex:gemv_ python scripts/bench/linear.py --once --layers gate_up down
 
---layers keeps only the named layers (of SHAPES). --once runs every selected (layer, kind, T) GEMV once,
+--layers keeps only the named layers (of SHAPES). --shard-of N takes each layer as rank 0's shard of a tp N
+split (column-parallel layers O / N, o_proj and down I / N): a tp 2 rank's GEMVs, whose per-byte rate
+fell to ~0.87x of the whole layers' in the nineteenth session's step profile (docs/perf.md). --once runs every selected (layer, kind, T) GEMV once,
 eagerly and untimed, and prints the route each took: the launches a profiler such as Nsight Compute
 should see (one per combination, nothing else named gemv_; scripts/gpu-session.sh ncu).
 
@@ -55,6 +58,21 @@ SHAPES = {
                 ("shared_gate_up", 1024, 2048), ("lm_head", 248320, 2048), ("a_b", 64, 2048)],
 }
 QUANT_KINDS = ("fp8_row", "fp8_block", "nvfp4")
+# Row-parallel layers (in_features split at tp N, an all-reduce after them); the others are column-parallel
+# (out_features split): docs/architecture.md's tensor-parallel split. The GDN out_proj has o_proj's shape.
+ROW_PARALLEL = frozenset({"o_proj", "down"})
+
+
+def shard_shapes(shapes: list[tuple[str, int, int]], n: int) -> list[tuple[str, int, int]]:
+    """Rank 0's (O, I) of each layer at tp n: column-parallel layers keep O / n rows, row-parallel ones
+    I / n columns. ValueError naming the first layer whose split dimension n does not divide."""
+    out = []
+    for name, O, I in shapes:
+        dim, size = ("in_features", I) if name in ROW_PARALLEL else ("out_features", O)
+        if size % n:
+            raise ValueError(f"{name}'s {dim} {size} is not a multiple of {n}")
+        out.append((name, O, I // n) if name in ROW_PARALLEL else (name, O // n, I))
+    return out
 
 
 def graph_time(fn, calls: int = 20, reps: int = 10) -> float:
@@ -371,6 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", nargs="+", default=None, help="only these layers of the model's SHAPES")
     ap.add_argument("--once", action="store_true",
                     help="run every selected GEMV once, untimed (for a profiler such as ncu)")
+    ap.add_argument("--shard-of", type=int, default=None, metavar="N",
+                    help="each layer as rank 0's shard of a tp N split (column-parallel: O / N rows; o_proj and "
+                         "down: I / N columns), for the per-byte rate of a tp N rank's GEMVs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.layers:
@@ -379,6 +400,15 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"--layers: {', '.join(unknown)} not among {args.model}'s layers ({', '.join(known)})")
         SHAPES[args.model] = [s for s in SHAPES[args.model] if s[0] in args.layers]
+    if args.shard_of is not None:
+        if args.shard_of < 1:
+            ap.error(f"--shard-of {args.shard_of}: expected a tp of 1 or more")
+        if args.split:
+            ap.error("--shard-of times the layers alone: not with --split")
+        try:
+            SHAPES[args.model] = shard_shapes(SHAPES[args.model], args.shard_of)
+        except ValueError as e:
+            ap.error(f"--shard-of {args.shard_of}: {e}")
     if args.once and (args.split or args.variants or args.ks):
         ap.error("--once runs the production route only: no --split, --variants or --ks")
     if args.split and args.variants:
@@ -406,6 +436,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, rows=rows, device=torch.cuda.get_device_name(), model=args.model,
+                           shard_of=args.shard_of,
                            columns=args.columns, kinds=args.kinds, variants=args.variants, split=args.split,
                            dequant=args.dequant, ks=args.ks), f, indent=1)
     return 0
