@@ -34,6 +34,21 @@ class GrammarError(ValueError):
     """An output format that cannot be compiled; the message starts with the field's name."""
 
 
+class Grammar(str):
+    """A compiled grammar that remembers the request field it came from (`field`), so that an error
+    found later (with the model's tokenizer, in the engine) can name it."""
+    field: str | None = None
+
+
+def with_field(grammar: str | None, field: str) -> str | None:
+    """grammar as a Grammar naming `field` (None stays None)."""
+    if grammar is None:
+        return None
+    out = Grammar(grammar)
+    out.field = field
+    return out
+
+
 def _llg():
     try:
         import llguidance
@@ -278,8 +293,22 @@ class Constraint:
     def __init__(self, tokenizer, grammar: str, after: tuple[int, ...] = ()):
         llg = _llg()
         self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise GrammarError(f"the request's grammar cannot be used: {self.matcher.get_error()}")
+        # The first mask now, and a copy of the parser taking the first token it allows: limits that only
+        # the tokenizer and the first token reach (a lexer too large, a row of too many alternatives)
+        # then refuse the request before it runs instead of failing it mid-way.
+        self._first = self.matcher.compute_bitmask() if not self.matcher.is_error() else None
+        err = self.matcher.get_error() if self.matcher.is_error() else None
+        if err is None:
+            allowed = np.flatnonzero(np.frombuffer(self._first, dtype=np.uint8))
+            if allowed.size:
+                byte = int(allowed[0])
+                probe = self.matcher.deep_copy()
+                probe.consume_token(8 * byte + (self._first[byte] & -self._first[byte]).bit_length() - 1)
+                if not probe.is_error():
+                    probe.compute_bitmask()
+                err = probe.get_error() if probe.is_error() else None
+        if err is not None:
+            raise GrammarError(f"the request's grammar cannot be used with this model's tokenizer: {err}")
         self.after = frozenset(after)
         # whitespace-only ids: allowed (and not fed to the grammar) right after the end of reasoning
         self._ws = np.frombuffer(whitespace_mask(tokenizer), dtype=np.uint8) if after else None
@@ -301,7 +330,7 @@ class Constraint:
         grammar does not apply yet."""
         if not self.active and not self._pending:
             return None
-        m = self.matcher.compute_bitmask()
+        m, self._first = self._first or self.matcher.compute_bitmask(), None   # nothing consumed since __init__
         if not self.active and self._lead < LEAD_WHITESPACE:
             m = (np.frombuffer(m, dtype=np.uint8) | self._ws).tobytes()     # both over the same vocabulary
         return m
@@ -310,6 +339,8 @@ class Constraint:
         """Tokens appended to the output (sampled under the last mask, or inserted without sampling)."""
         for t in tokens:
             t = int(t)
+            if self.active or self._pending:
+                self._first = None                  # the matcher's state moves on (or may): no stale mask
             if self.active:
                 self.matcher.consume_token(t)
             elif self._pending:

@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import AsyncIterator
 
+from runtime import grammar as G
 from runtime import parsing
 from server.service import (APIError, ChatRequest, ContentDelta, Delta, Finish, Prepared, PromptLogprobs,
                             ReasoningDelta, TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
@@ -91,12 +92,19 @@ def prompt_entries(tokenizer, prompt_ids: list[int], entries: list | None) -> li
     return [first] + [logprob_entry(tokenizer, t, e) for t, e in zip(prompt_ids[1:], entries or [])]
 
 
-def engine_error(text: str) -> APIError:
-    """An error event of the engine -> the APIError the client sees."""
+def engine_error(text: str, grammar: str | None = None) -> APIError:
+    """An error event of the engine -> the APIError the client sees (grammar: the request's, whose
+    field a structured-output failure names)."""
     if "waited more than" in text:
         return APIError(503, "overloaded", f"the server is overloaded: {text}", retry_after_s=2)
     if "shut down" in text:
         return APIError(503, "unavailable", "the server is shutting down", retry_after_s=5)
+    if text.startswith("structured output failed"):
+        # the request's grammar stopped matching mid-way (an llguidance limit the first mask did not reach):
+        # the same request fails the same way, the engine serves on
+        field = getattr(grammar, "field", None)
+        return APIError(400, "invalid_request", f"{field + ': ' if field else ''}the output format could not be "
+                        f"followed: {text}", param=field)
     return APIError(503, "unavailable", f"the engine failed: {text}")
 
 
@@ -134,6 +142,10 @@ def submit(service, prepared: Prepared) -> None:
         err = APIError(429, "rate_limited", f"too many requests are waiting: {e}", retry_after_s=1)
     except EngineError as e:
         err = APIError(503, "unavailable", f"the engine is not serving: {e}")
+    except G.GrammarError as e:
+        # the output format, refused with the model's tokenizer (runtime.grammar.Constraint): name its field
+        field = getattr(prepared.params.grammar, "field", None)
+        err = APIError(400, "invalid_request", f"{field}: {e}" if field else str(e), param=field)
     except ValueError as e:
         # the engine's refusals name the field first where it is a request field ("logit_bias token id ...")
         err = APIError(400, "invalid_request", str(e), param="logit_bias" if str(e).startswith("logit_bias ") else None)
@@ -212,7 +224,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
                 break
             if ev.error:
                 engine_done = True
-                raise engine_error(ev.error)
+                raise engine_error(ev.error, prepared.params.grammar)
             if ev.final:
                 engine_done = True
                 if ev.finish_reason == "cancelled":

@@ -39,7 +39,7 @@ def grammar_error(e: G.GrammarError, field: str) -> APIError:
 
 def _compile(field: str, make: Callable[[], str | None]) -> str | None:
     try:
-        return make()
+        return G.with_field(make(), field)
     except G.GrammarError as e:
         raise grammar_error(e, field) from None
     except (ValueError, TypeError) as e:                   # llguidance refusing what runtime.grammar passed on

@@ -453,6 +453,10 @@ CHAT_ERRORS = [
     ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
     ({"guided_json": {}, "structured_outputs": {"json_object": True}}, "structured_outputs.json_object"),
+    # compiled, but past llguidance's limits with the model's tokenizer (its first mask): still a 400
+    ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
+    ({"guided_choice": [f"c{i}" for i in range(2500)]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "(b{999}){999}"}}, "structured_outputs.regex"),
 ]
 
 
