@@ -47,6 +47,8 @@ class Coordinator:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        # absolute: the rank processes run from the repository root, not from the caller's directory
+        model_dir = os.path.abspath(model_dir)
         self.model_dir, self.tp, self.device, self.dtype, self.options = model_dir, tp, device, dtype, options
         self.spec = load_spec(model_dir)
         problem = self.spec.tp_conflict(tp)       # the ranks' rule, checked before any process starts

@@ -542,6 +542,22 @@ def test_the_default_kv_pool_holds_max_concurrency_sequences_of_max_context(dens
         eng.shutdown()
 
 
+def test_a_relative_model_path_is_the_callers(dense, shared, tmp_path, monkeypatch):
+    """Engine.start with a path relative to the caller's directory: the rank processes (which run from
+    the repository root) load that model, and give the same greedy ids as the absolute path's engine."""
+    link = tmp_path / "here" / "model"
+    link.parent.mkdir()
+    link.symlink_to(dense.dir, target_is_directory=True)
+    monkeypatch.chdir(link.parent)
+    prompt = [3, 14, 15, 92, 65]
+    eng = Engine.start("model", tp=1, options=OPTS)
+    try:
+        got = eng.submit(prompt, greedy(6)).result(timeout=TIMEOUT).tokens
+    finally:
+        eng.shutdown()
+    assert got == shared(1).submit(prompt, greedy(6)).result(timeout=TIMEOUT).tokens
+
+
 def test_device_feed_is_off_by_default_on_the_cpu(dense, shared):
     """EngineOptions.device_feed unset: on only for the cuda backend at tp 1 (the CPU runs nothing
     ahead, so feeding would only add work): the reference ranks report it off and feed no step."""
