@@ -66,6 +66,9 @@ def serve(args, argv: list[str]) -> int:
                 template = f.read()
         except (OSError, UnicodeDecodeError) as e:
             return _fail(f"--chat-template {args.chat_template}: {e}")
+    conflict = spec.tp_conflict(args.tp)             # the ranks' rule, before anything listens (exit 2)
+    if conflict:
+        return _fail(f"--tp {args.tp}: {conflict}")
     max_context = args.max_context or min(spec.max_position_embeddings, 8192)
     if max_context > spec.max_position_embeddings:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "

@@ -722,3 +722,16 @@ def test_serve_device_cuda_without_a_gpu_exits_2_before_listening():
     assert r.returncode == 2, r.stderr
     assert "--device cuda: not usable here" in r.stderr and "listening" not in r.stderr, r.stderr
 
+
+
+def test_serve_a_tp_the_model_cannot_split_exits_2_before_listening():
+    """--tp 3 on the demo model (whose heads 3 does not divide): exit 2 (systemd does not restart it)
+    naming the dimension, before the port is bound, as for any other configuration error."""
+    from runtime.config import load_spec
+    from ranks.demo import PACKAGED_DIR
+    conflict = load_spec(PACKAGED_DIR).tp_conflict(3)
+    assert conflict
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--tp", "3", "--port", "0"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--tp 3" in r.stderr and conflict in r.stderr and "listening" not in r.stderr, r.stderr
