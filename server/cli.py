@@ -295,6 +295,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(decoder.add(token))
             sys.stdout.flush()
 
+    def nl() -> str:
+        """A newline before an error when generated text is on the line (decoded text was written)."""
+        return "\n" if out_ids and decoder is not None else ""
+
     try:
         spec_k = spec_draft_tokens(args, model_dir)
         if args.tp > 1 and not args.random_weights:
@@ -339,10 +343,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
-        print(f"\ntandem generate: {e}", file=sys.stderr)
+        print(f"{nl()}tandem generate: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        print(f"\ntandem generate: {e}", file=sys.stderr)
+    except (RuntimeError, ArithmeticError) as e:       # ArithmeticError: NaN logits (ranks.sampler.NonFiniteLogits)
+        print(f"{nl()}tandem generate: {e}", file=sys.stderr)
         return 1
     if decoder is not None:
         sys.stdout.write(decoder.flush() + "\n")

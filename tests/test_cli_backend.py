@@ -146,3 +146,18 @@ def test_generate_at_tp2_refuses_a_bad_checkpoint_before_any_rank_starts(tmp_pat
     assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--tp", "2", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot load" in err and victim.split("layers.0.", 1)[1] in err, err
+
+
+def test_generate_reports_nan_logits_without_a_traceback(tmp_path, capsys):
+    """A checkpoint whose final norm is NaN: `generate` at tp 1 (in process) exits 1 with the sampler's
+    message, not a Python traceback, as tp 2 already did."""
+    from safetensors.torch import load_file, save_file
+    d = _copy_model(tmp_path)
+    shard = next(d.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = next(k for k in tensors if k.endswith("norm.weight") and "layers." not in k)
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "NaN logits" in err and "Traceback" not in err and not err.startswith("\n"), err
