@@ -178,6 +178,14 @@ class Coordinator:
             elif isinstance(m, msg.Error):
                 raise RuntimeError(f"rank {m.rank} failed while starting: {m.reason}")
         self.ready = ready
+        # Every rank has mapped the mailbox segments (before Ready): drop their names now, so that none is
+        # left in /dev/shm however this process ends (SIGKILL, the OOM killer); the mappings live on.
+        for shm in (self._shm, self._gpu_shm):
+            if shm is not None:
+                try:
+                    shm.unlink()
+                except FileNotFoundError:
+                    pass
         self.has_mtp = all(r.has_mtp for r in ready.values())
         if self.options.spec_draft_tokens and not self.has_mtp:      # the ranks refuse too; say it plainly
             raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.*); {self.model_dir} has none")

@@ -558,6 +558,17 @@ def test_a_relative_model_path_is_the_callers(dense, shared, tmp_path, monkeypat
     assert got == shared(1).submit(prompt, greedy(6)).result(timeout=TIMEOUT).tokens
 
 
+def test_the_mailbox_segment_leaves_no_name_behind_once_the_ranks_run(shared):
+    """Once every rank is ready the mailbox's shared-memory name is gone (nothing for a SIGKILL to leave in
+    /dev/shm), and the ranks still exchange through their mappings: tp 2 keeps decoding."""
+    from multiprocessing import shared_memory
+    eng = shared(2)
+    name = eng._coordinator._shm.name
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name, create=False)
+    assert len(eng.submit([5, 6, 7], greedy(4)).result(timeout=TIMEOUT).tokens) == 4
+
+
 def test_device_feed_is_off_by_default_on_the_cpu(dense, shared):
     """EngineOptions.device_feed unset: on only for the cuda backend at tp 1 (the CPU runs nothing
     ahead, so feeding would only add work): the reference ranks report it off and feed no step."""
@@ -628,7 +639,7 @@ def test_sigkill_of_a_rank_fails_every_request_fast_and_cleanly(dense):
             coord = eng._coordinator
             pids = [p.pid for p in coord.procs]
             shm_path = f"/dev/shm/{coord._shm.name.lstrip('/')}"
-            assert all(_alive(pid) for pid in pids) and os.path.exists(shm_path)
+            assert all(_alive(pid) for pid in pids) and not os.path.exists(shm_path)   # unlinked once all ranks mapped it
             long = eng.submit(prompt, greedy(3000))                                # decodes for a long while
             prefill = eng.submit([rng.randrange(256) for _ in range(3500)], greedy(8))  # 28 chunks of prefill
             queued = eng.submit(prompt, greedy(8))                                  # both slots taken: waits
