@@ -19,6 +19,7 @@ generated text (after any echo) follows the grammar from its first token.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import secrets
 from typing import Any
@@ -110,13 +111,35 @@ def parse(body: dict[str, Any]) -> tuple[list[TextRequest], bool, int]:
     return reqs, include_usage, n
 
 
-def logprobs_object(entries: list | None, offset: int) -> tuple[dict | None, int]:
+class TextOffsets:
+    """Character offsets of consecutive tokens in their decoded text: a token starts at the characters
+    its predecessors completed (one that starts inside a multi-byte character, at that character's
+    start), whatever the U+FFFD placeholders in the tokens' own strings."""
+
+    def __init__(self, start: int = 0):
+        self.chars = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        """The offset of the token whose bytes follow, then taken into the text."""
+        state = self._utf8.getstate()
+        if state[0] and token_bytes and 0x80 <= token_bytes[0] <= 0xBF:
+            at = self.chars                    # continues the character the text has not completed yet
+        else:                                  # what is pending cannot complete: its U+FFFD come first
+            flush = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            flush.setstate(state)
+            at = self.chars + len(flush.decode(b"", final=True))
+        self.chars += len(self._utf8.decode(token_bytes))
+        return at
+
+
+def logprobs_object(entries: list | None, offsets: TextOffsets) -> dict | None:
     """Chat-shaped logprob entries (server.generation.logprob_entry) -> the legacy completions object
-    {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset} and the offset after them
-    (text_offset: each token's character offset in the choice's text, continued across stream chunks;
+    {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset} (text_offset: each token's
+    character offset in the choice's text, continued across stream chunks through `offsets`;
     alternatives whose text is the same, e.g. two pieces of multi-byte characters, keep the best value)."""
     if entries is None:
-        return None, offset
+        return None
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         out["tokens"].append(e["token"])
@@ -128,9 +151,8 @@ def logprobs_object(entries: list | None, offset: int) -> tuple[dict | None, int
             for a in e["top_logprobs"]:              # best first; ids with the same text keep the best value
                 top.setdefault(a["token"], a["logprob"])
             out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(e["token"])
-    return out, offset
+        out["text_offset"].append(offsets.next(bytes(e["bytes"])))
+    return out
 
 
 def _usage(usage: dict[str, int]) -> dict[str, int]:
@@ -162,7 +184,7 @@ async def completions(service: Service, request: Request) -> Response:
         "system_fingerprint": None,
         "choices": [{"text": echoes[i] + (r.content or ""), "index": i,
                      "logprobs": logprobs_object(None if r.logprobs is None else (r.prompt_logprobs or []) + r.logprobs,
-                                                 0 if r.prompt_logprobs is not None else len(echoes[i]))[0],
+                                                 TextOffsets(0 if r.prompt_logprobs is not None else len(echoes[i]))),
                      "finish_reason": r.finish.finish_reason} for i, r in enumerate(results)],
         "usage": _usage(_batch_usage([r.finish.usage for r in results], n))})
 
@@ -187,13 +209,13 @@ async def _stream(service: Service, preps: list[Prepared], cid: str, echoes: lis
     base = {"id": cid, "object": "text_completion", "created": prepared.created, "model": prepared.model}
     pending: list[list] = [[] for _ in preps]     # per choice: logprob entries that ride on its next chunk
     held = prepared.request.sampling.prompt_logprobs is not None    # echo + logprobs: echo with the prompt's
-    offsets = [0 if held else len(e) for e in echoes]              # text_offset: from the prompt's tokens, or after it
+    offsets = [TextOffsets(0 if held else len(e)) for e in echoes]  # text_offset: from the prompt's tokens, or after it
     usages: list = [None] * len(preps)
 
     def chunk(i: int, text: str, finish: str | None = None) -> bytes:
         lp = None
         if pending[i]:
-            lp, offsets[i] = logprobs_object(pending[i][:], offsets[i])
+            lp = logprobs_object(pending[i][:], offsets[i])
             pending[i].clear()
         return sse.event({**base, "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": finish}],
                           "usage": None})

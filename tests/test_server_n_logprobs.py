@@ -94,14 +94,16 @@ def test_completions_logprobs_text_offsets_and_stream(real):
     lp = r.choices[0].logprobs
     n = r.usage.completion_tokens
     assert n == 12 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
-    at = 0
+    text = r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
     for tok, v, top, off in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
-        assert off == at and v <= 1e-9
+        assert v <= 1e-9
         assert 1 <= len(top) <= 3 and all(x <= 1e-9 for x in top.values())
         assert v <= max(top.values()) + 1e-6
-        at += len(tok)
+        if "\ufffd" not in tok:                      # a whole token's text sits at its offset
+            assert text.startswith(tok, off), (tok, off, text)
     if "\ufffd" not in "".join(lp.tokens):
-        assert "".join(lp.tokens) == r.choices[0].text
+        assert "".join(lp.tokens) == text
     chunks = list(real.client.completions.create(stream=True, **kw))
     got = {"tokens": [], "token_logprobs": [], "text_offset": []}
     for c in chunks:
@@ -298,3 +300,25 @@ def test_bad_batches_of_prompts_are_400_and_name_the_field(real):
             assert resp.json()["error"]["param"] == field, (prompt[:3], resp.json())
         ok = http.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_completions_text_offsets_count_characters_across_split_utf8():
+    """Tokens that carry pieces of one multi-byte character (each shown as U+FFFD) all start at that
+    character; the tokens after it at the characters the text really has (offsets advanced by the
+    placeholder strings drifted by one per extra piece)."""
+    from server.completions import TextOffsets, logprobs_object
+    pieces = [b"a", b"\xf0\x9f", b"\x98\x80", b"b", "é".encode()[:1], "é".encode()[1:], b"cd"]
+    entries = [{"token": p.decode("utf-8", errors="replace"), "logprob": -0.5, "bytes": list(p),
+                "top_logprobs": []} for p in pieces]
+    text = b"".join(pieces).decode()
+    assert text == "a\U0001F600b\u00e9cd"
+    out = logprobs_object(entries, TextOffsets())
+    assert out["text_offset"] == [0, 1, 1, 2, 3, 3, 4]
+    assert text[4:] == "cd"
+    orphan = [b"x", b"\xf0", b"yz", b"\xe2\x82", b"\xac"]   # a lead byte nothing completes, then a euro sign
+    got = logprobs_object([dict(e, bytes=list(p)) for e, p in zip(entries, orphan)], TextOffsets())
+    assert b"".join(orphan).decode(errors="replace") == "x\ufffdyz\u20ac"
+    assert got["text_offset"] == [0, 1, 2, 4, 4]
+    stream = TextOffsets(10)                          # continued across chunks, from an echo's length
+    first, second = logprobs_object(entries[:2], stream), logprobs_object(entries[2:], stream)
+    assert first["text_offset"] + second["text_offset"] == [10, 11, 11, 12, 13, 13, 14]
