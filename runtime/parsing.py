@@ -67,6 +67,7 @@ class ToolCallArgs:
 @dataclass(frozen=True, slots=True)
 class ToolCallEnd:
     index: int
+    cut_off: bool = False   # closed at the end of generation (max_tokens, a stop string), not by the model
 
 
 Delta = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgs, ToolCallEnd]
@@ -390,12 +391,13 @@ class OutputParser:
 
     def _end_call(self, note: str | None = None) -> None:
         call = self._calls[-1]
+        cut = bool(note) and note.startswith("cut off at end of generation")
         if note:
             self._call_note(note)
-            if note.startswith("cut off at end of generation"):
+            if cut:
                 self.cut_off = True
         self._emit_args("}")
-        self._emit(ToolCallEnd(call.index))
+        self._emit(ToolCallEnd(call.index, cut))
         self._state = "after"
         if not self._parallel:
             self.stop_requested = True

@@ -30,7 +30,7 @@ _DELTAS = {parsing.ReasoningDelta: lambda d: ReasoningDelta(d.text),
            parsing.ContentDelta: lambda d: ContentDelta(d.text),
            parsing.ToolCallStart: lambda d: ToolCallStart(d.index, d.id, d.name),
            parsing.ToolCallArgs: lambda d: ToolCallArgs(d.index, d.fragment),
-           parsing.ToolCallEnd: lambda d: ToolCallEnd(d.index)}
+           parsing.ToolCallEnd: lambda d: ToolCallEnd(d.index, d.cut_off)}
 
 
 class StopMatcher:

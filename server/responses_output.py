@@ -201,7 +201,8 @@ class ResponseBuilder:
         elif isinstance(delta, ToolCallEnd):
             self._logprobs.skip()
             if self._open in ("function_call", "custom_tool_call") and delta.index == self._call_index:
-                out += self._close("completed")
+                # a call the end of generation closed is incomplete (clients record completed items only)
+                out += self._close("incomplete" if delta.cut_off else "completed")
         return out
 
     def finish(self, fin: Finish) -> list[tuple[str, dict]]:

@@ -184,6 +184,7 @@ class ToolCallArgs:
 @dataclass
 class ToolCallEnd:
     index: int
+    cut_off: bool = False   # closed at the end of generation, not by the model (runtime.parsing.ToolCallEnd)
 
 
 @dataclass

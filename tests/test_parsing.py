@@ -426,3 +426,31 @@ def test_a_forced_opening_with_an_unknown_name_is_dropped():
     with pytest.raises(ValueError, match="first"):
         q.feed_forced("<tool_call>")
 
+
+
+def test_a_call_cut_off_by_the_end_of_generation_ends_marked_cut_off():
+    """A call the model closed ends with ToolCallEnd(cut_off=False); one the end of generation closed
+    (max_tokens or a stop string inside a parameter, or before </function>) with cut_off=True, which
+    the Responses API turns into an incomplete item."""
+    whole = OutputParser("content", TOOLS)
+    ends = [d for d in whole.feed(call("get_weather", [("city", "A")])) + whole.finish() if isinstance(d, ToolCallEnd)]
+    assert [e.cut_off for e in ends] == [False]
+    for cut in ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+                "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"):
+        p = OutputParser("content", TOOLS)
+        ends = [d for d in p.feed(cut) + p.finish() if isinstance(d, ToolCallEnd)]
+        assert [e.cut_off for e in ends] == [True] and p.cut_off, cut
+
+
+def test_the_responses_api_marks_a_cut_off_call_incomplete():
+    from server.reasoning_seal import ReasoningSeal
+    from server.responses_output import ResponseBuilder, ToolSet
+    from server.service import Finish, ToolCallArgs as Args, ToolCallEnd as End, ToolCallStart as Start
+    for cut_off, status in ((True, "incomplete"), (False, "completed")):
+        b = ResponseBuilder("resp_x", {}, ToolSet(), ReasoningSeal(), summary=False, encrypted=False)
+        b.start()
+        events = b.feed(Start(0, "call_1", "get_weather")) + b.feed(Args(0, '{"city": "Pa"}')) + b.feed(End(0, cut_off))
+        done = [e for name, e in events if name == "response.output_item.done"]
+        assert [d["item"]["status"] for d in done] == [status]
+        b.finish(Finish("length" if cut_off else "tool_calls", {"prompt_tokens": 3, "completion_tokens": 5}, {}))
+        assert b.response()["output"][0]["status"] == status
