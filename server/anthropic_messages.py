@@ -254,6 +254,8 @@ def _tool_choice(raw: Any, tools: list[dict] | None) -> tuple[Any, bool]:
         if name not in {t["function"]["name"] for t in tools or ()}:
             raise _bad("tool_choice.name", f"no tool named {name!r} in tools")
         return {"type": "function", "function": {"name": name}}, parallel
+    if kind == "any" and not tools:
+        raise _bad("tool_choice.type", "is 'any' but no tools were given")
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 

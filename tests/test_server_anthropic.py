@@ -373,6 +373,7 @@ def _without(key):
     (lambda b: {**b, "tool_choice": {"type": "tool", "name": "missing"}}, 400, "invalid_request_error",
      "tool_choice.name"),
     (lambda b: {**b, "tool_choice": {"type": "sometimes"}}, 400, "invalid_request_error", "tool_choice.type"),
+    (lambda b: {**b, "tool_choice": {"type": "any"}}, 400, "invalid_request_error", "'any' but no tools"),
     (lambda b: {**b, "temperature": 1.5}, 400, "invalid_request_error", "temperature"),
     (lambda b: {**b, "top_k": -1}, 400, "invalid_request_error", "top_k"),
     (lambda b: {**b, "stop_sequences": "END"}, 400, "invalid_request_error", "stop_sequences"),
