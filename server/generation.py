@@ -98,7 +98,7 @@ def engine_error(text: str, grammar: str | None = None) -> APIError:
     if "waited more than" in text:
         return APIError(503, "overloaded", f"the server is overloaded: {text}", retry_after_s=2)
     if "shut down" in text:
-        return APIError(503, "unavailable", "the server is shutting down", retry_after_s=5)
+        return APIError(503, "overloaded", "the server is shutting down", retry_after_s=5)   # draining: api.md §0.1
     if text.startswith("structured output failed"):
         # the request's grammar stopped matching mid-way (an llguidance limit the first mask did not reach):
         # the same request fails the same way, the engine serves on
@@ -228,7 +228,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
             if ev.final:
                 engine_done = True
                 if ev.finish_reason == "cancelled":
-                    raise APIError(503, "unavailable", "the request was cancelled: the server is shutting down",
+                    raise APIError(503, "overloaded", "the request was cancelled: the server is shutting down",
                                    retry_after_s=5)
                 reason, engine_timings, engine_usage = ev.finish_reason or "stop", ev.timings or {}, ev.usage or {}
                 engine_spec = ev.spec
