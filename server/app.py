@@ -69,9 +69,10 @@ def api_of(path: str) -> str:
 class FrontDoor:
     """Request ids, client labels, auth and size limits (see the module doc)."""
 
-    def __init__(self, app, service: Service, api_key: str | None, max_body_bytes: int, max_header_bytes: int):
+    def __init__(self, app, service: Service, api_key: str | None, max_body_bytes: int, max_header_bytes: int,
+                 body_timeout_s: float = 30.0):
         self.app, self.service, self.api_key = app, service, api_key
-        self.max_body, self.max_headers = max_body_bytes, max_header_bytes
+        self.max_body, self.max_headers, self.body_timeout = max_body_bytes, max_header_bytes, body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -97,15 +98,26 @@ class FrontDoor:
                 self.service.record_rejected(err, api_of(path))
                 await error_response(err, path, rid)(scope, receive, send_with_ids)
                 return
-            seen = 0
+            seen, body_done = 0, False
 
             async def counted_receive():
-                nonlocal seen
-                message = await receive()
+                nonlocal seen, body_done
+                if body_done:                    # after the body: a disconnect, however long it takes
+                    message = await receive()
+                else:                            # a body shorter than its Content-Length must not hold a slot
+                    try:
+                        message = await asyncio.wait_for(receive(), self.body_timeout)
+                    except asyncio.TimeoutError:
+                        raise APIError(408, "timeout", f"the request body did not arrive within "
+                                       f"{self.body_timeout:g} s (is Content-Length larger than the body?)",
+                                       code="request_timeout") from None
                 if message["type"] == "http.request":
                     seen += len(message.get("body", b""))
                     if seen > self.max_body:
                         raise BodyTooLarge(self.max_body)
+                    body_done = not message.get("more_body", False)
+                else:
+                    body_done = True
                 return message
 
             await self.app(scope, counted_receive, send_with_ids)
@@ -257,8 +269,8 @@ def create_app(service: Service, api_key: str | None = None, *, engine_loader: C
                on_fatal: Callable[[str], None] | None = None, metrics=None,
                max_body_bytes: int = 16 * 2**20, max_header_bytes: int = 32 * 2**10,
                watch_interval_s: float = 0.2, fatal_grace_s: float = 2.0,
-               throughput_interval_s: float = 10.0, attachments: tuple = (), drain_timeout_s: float = 0.0
-               ) -> Starlette:
+               throughput_interval_s: float = 10.0, attachments: tuple = (), drain_timeout_s: float = 0.0,
+               body_timeout_s: float = 30.0) -> Starlette:
     """The HTTP app for `service`. metrics (GET /metrics) defaults to service.metrics, else a new Metrics
     that the service then reports to. attachments: other frontends sharing the loop (e.g. a
     server.zmq_api.ZmqServer): start() runs in the lifespan's startup (an exception fails the startup),
@@ -314,7 +326,7 @@ def create_app(service: Service, api_key: str | None = None, *, engine_loader: C
     app = Starlette(routes=_plain_routes(service, metrics) + _api_routes(service), lifespan=lifespan,
                     exception_handlers=_handlers(service))
     app.add_middleware(FrontDoor, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
-                       max_header_bytes=max_header_bytes)
+                       max_header_bytes=max_header_bytes, body_timeout_s=body_timeout_s)
     return app
 
 

@@ -20,6 +20,16 @@ from runtime.engine import CPU_MAX_STEP_TOKENS, CPU_PREFILL_CHUNK, CUDA_PREFILL_
 log = logging.getLogger("tandem")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -189,6 +199,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--default-max-tokens", type=_positive_int, default=None,
                    help="output cap when a request gives none (default: the rest of the context)")
     s.add_argument("--max-body-mib", type=float, default=16.0, help="request body limit in MiB (default 16)")
+    s.add_argument("--body-timeout-s", type=_positive_float, default=30.0,
+                   help="a request body that has not fully arrived after this long between its pieces is a 408 "
+                        "(default 30)")
     s.add_argument("--shutdown-timeout-s", type=float, default=15.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 15)")
     s.add_argument("--zmq-endpoint", default=None, metavar="ENDPOINT",

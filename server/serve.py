@@ -142,6 +142,7 @@ def serve(args, argv: list[str]) -> int:
 
     app = create_app(service, api_key, engine_loader=load, on_fatal=on_fatal,
                      max_body_bytes=int(args.max_body_mib * 2**20), throughput_interval_s=args.throughput_interval_s,
+                     body_timeout_s=args.body_timeout_s,
                      attachments=tuple(attachments), drain_timeout_s=args.shutdown_timeout_s)
     config = uvicorn.Config(app, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio", lifespan="on",
                             log_level=args.log_level.lower(), access_log=args.access_log,

@@ -735,3 +735,25 @@ def test_serve_a_tp_the_model_cannot_split_exits_2_before_listening():
                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "--tp 3" in r.stderr and conflict in r.stderr and "listening" not in r.stderr, r.stderr
+
+
+def test_a_body_shorter_than_its_content_length_is_a_408_not_a_hang():
+    """Content-Length 200 and 20 bytes sent, then silence: the server answers 408 (the API's timeout
+    error) after its body timeout instead of holding the connection; a whole request still works."""
+    import socket
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    app = create_app(_service(FakeEngine(tok), tok, d), body_timeout_s=0.5)
+    with running(app) as url:
+        host, port = url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 200\r\n\r\n" + b'{"model": "m", "mess')
+            t0 = time.monotonic()
+            reply = s.recv(65536).decode("latin-1")
+            assert time.monotonic() - t0 < 5
+        assert reply.startswith("HTTP/1.1 408"), reply
+        body = json.loads(reply.split("\r\n\r\n", 1)[1])
+        assert body["error"]["type"] == "timeout_error" and "Content-Length" in body["error"]["message"], body
+        ok = httpx.get(url + "/health", timeout=10)
+        assert ok.status_code in (200, 503)
