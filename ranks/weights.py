@@ -94,6 +94,10 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
         if key == "__metadata__":
+            # the safetensors library refuses anything but a string -> string map when it opens the file
+            if not isinstance(entry, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.items()):
+                raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__ must map strings to "
+                                      f"strings, got {json.dumps(entry)[:200]}")
             continue
         try:
             tag, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
@@ -340,6 +344,9 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
                     expected[name] = shape
     if spec.tie_word_embeddings and "lm_head.weight" in names:
         expected["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)   # accepted, not used
+        log.warning("%s: config.json ties the word embeddings (tie_word_embeddings) but the checkpoint also holds "
+                    "lm_head.weight; the head is embed_tokens and the stored lm_head.weight is not used (set "
+                    "tie_word_embeddings false to use it)", ckpt.dir)
     ignored: set[str] = set()
     if spec.is_moe and not spec.shared_expert_intermediate_size:
         # shared_expert_intermediate_size 0: transformers' save_pretrained writes the branch anyway, as

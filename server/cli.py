@@ -361,6 +361,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (RuntimeError, ArithmeticError) as e:       # ArithmeticError: NaN logits (ranks.sampler.NonFiniteLogits)
         print(f"{nl()}tandem generate: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:                           # Ctrl-C: the engine (if any) was shut down on the way out
+        print(f"{nl()}tandem generate: interrupted", file=sys.stderr)
+        return 130
     if decoder is not None:
         sys.stdout.write(decoder.flush() + "\n")
     if args.print_token_ids:

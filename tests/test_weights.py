@@ -362,7 +362,7 @@ TIED = {
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("over,with_lm_head", TIED.values(), ids=TIED.keys())
-def test_tied_embeddings_load(tmp_path, seed, moe, over, with_lm_head):
+def test_tied_embeddings_load(tmp_path, seed, moe, over, with_lm_head, caplog):
     spec = make_spec(moe, **over)
     tensors = random_weights(spec, seed)
     assert "lm_head.weight" not in tensors
@@ -373,6 +373,8 @@ def test_tied_embeddings_load(tmp_path, seed, moe, over, with_lm_head):
     assert "lm_head.weight" not in model.w                    # lm_head = embed_tokens
     assert model.head is model.w["embed_tokens.weight"]
     assert torch.equal(model.head, tensors["embed_tokens.weight"])
+    # a stored lm_head.weight that the tie leaves unused is said so (transformers would use it)
+    assert any("lm_head.weight is not used" in r.getMessage() for r in caplog.records) == with_lm_head
 
 
 def test_tied_via_wrapper_top_level_as_transformers_writes_it(tmp_path, seed):
@@ -748,6 +750,12 @@ BAD = {
          "model.b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, ["corrupt", "'model."]),
     "header_gap_before_tensor": _raw_header_case(
         {"model.a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, ["corrupt", "'model.a'"]),
+    "metadata_not_strings": _raw_header_case(
+        {"__metadata__": {"format": 1}, "model.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+        b"\0" * 8, ["__metadata__", "strings"]),
+    "metadata_not_an_object": _raw_header_case(
+        {"__metadata__": ["pt"], "model.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+        b"\0" * 8, ["__metadata__"]),
     "trailing_garbage_after_tensors": _raw_header_case(
         {"model.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8 + b"junk", ["corrupt", "stray"]),
     # index
