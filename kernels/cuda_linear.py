@@ -18,7 +18,8 @@ Variants (TANDEM_GEMV_VARIANT, read by route() at every launch plan, so also at 
 tensor-core kernels gemv_{bf16,fp8row,fp8blk,nvfp4}_pipe wherever they apply (bf16: I % 8 == 0, fp8:
 I % 16 == 0, nvfp4: I % 64 == 0), small layers included, and bf16 layers of 3-8 columns there
 instead of to cuBLAS; "auto" (the default) uses the quantised ones where they were measured faster
-(pipe_wins), and gemv_bf16_pipe for mid-sized bf16 weights at 3..8 columns (below); "bf16pipe" is "auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
+(pipe_wins), and gemv_bf16_pipe for mid-sized bf16 weights at 3..8 columns (below); "bf16pipe" is
+"auto" with bf16 launches of 3-8 columns on gemv_bf16_pipe instead of cuBLAS (the lm_head
 at C = 8 reached 48% of the read bandwidth through cuBLAS on an H200, docs/perf.md; measured 14% slower
 over the whole step with bf16 weights, eleventh and twelfth sessions); "pipe4" is "auto" with the
 pipelined kernels' layer rule stopped at 4 columns (the default until the twelfth session: 27B fp8 at
@@ -287,8 +288,8 @@ def route(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool = False
 
     A unit is two weight rows (gate row f and up row F+f for SwiGLU); a block of 8 warps covers
     8/ks units, ks warps splitting I. ks is the smallest of 1, 2, 4, 8 that gives >= BLOCKS_PER_SM[kind]
-    blocks per SM (so small-O layers still fill the GPU; bf16 1, the rest 4), capped so that each of the ks warps gets at least one
-    16-byte chunk per lane (ks * 32 <= chunks per row). More than GEMV_COLUMNS[kind] columns route to
+    blocks per SM (so small-O layers still fill the GPU; bf16 1, the rest 4), capped so that each of the
+    ks warps gets at least one 16-byte chunk per lane (ks * 32 <= chunks per row). More than GEMV_COLUMNS[kind] columns route to
     dequantise + cuBLAS; between launch_columns() and that, the GEMV runs in launches of
     launch_columns() columns (this plan is then the one of a full launch).
 
@@ -376,7 +377,8 @@ def _route_tc(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool) ->
     """Tensor-core GEMV (gemv_*_tc, gemv.cu): a warp owns a tile of 16 rows (SwiGLU: 8 gate rows and
     their 8 up rows) times 1, 2 or 4 tiles of 8 columns, and steps through I 64 bytes of each row at
     a time (4 lanes x 16 bytes); ks warps of a block split the steps. ks: the smallest giving >= 4
-    blocks per SM (route()'s rule for the quantised kinds), capped so that each of the ks warps gets at least one step."""
+    blocks per SM (route()'s rule for the quantised kinds), capped so that each of the ks warps gets at
+    least one step."""
     tiles = -(-(O // 2) // 8) if swiglu else -(-O // 16)
     steps = -(-(I // _EPC[kind]) // 4)
     ks_cap = 1

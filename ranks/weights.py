@@ -95,7 +95,8 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     for key, entry in header.items():
         if key == "__metadata__":
             # the safetensors library refuses anything but a string -> string map when it opens the file
-            if not isinstance(entry, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.items()):
+            if not isinstance(entry, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in entry.items()):
                 raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__ must map strings to "
                                       f"strings, got {json.dumps(entry)[:200]}")
             continue

@@ -137,6 +137,15 @@ class Coordinator:
                 cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         self._threads_per_rank = threads
 
+    def _unlink_segments(self) -> None:
+        """Remove the mailbox segments' names (already gone once the ranks were ready)."""
+        for shm in (self._shm, self._gpu_shm):
+            if shm is not None:
+                try:
+                    shm.unlink()
+                except FileNotFoundError:
+                    pass
+
     def _handshake(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         alive, ready = set(), {}
@@ -180,12 +189,7 @@ class Coordinator:
         self.ready = ready
         # Every rank has mapped the mailbox segments (before Ready): drop their names now, so that none is
         # left in /dev/shm however this process ends (SIGKILL, the OOM killer); the mappings live on.
-        for shm in (self._shm, self._gpu_shm):
-            if shm is not None:
-                try:
-                    shm.unlink()
-                except FileNotFoundError:
-                    pass
+        self._unlink_segments()
         self.has_mtp = all(r.has_mtp for r in ready.values())
         if self.options.spec_draft_tokens and not self.has_mtp:      # the ranks refuse too; say it plainly
             raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.*); {self.model_dir} has none")
@@ -230,13 +234,10 @@ class Coordinator:
             self._sock = None
         if not self._ctx.closed:
             self._ctx.term()
+        self._unlink_segments()
         for shm in (self._shm, self._gpu_shm):
             if shm is not None:
                 shm.close()
-                try:
-                    shm.unlink()
-                except FileNotFoundError:
-                    pass
         self._shm = self._gpu_shm = None
         shutil.rmtree(self._tmp, ignore_errors=True)
         self.healthy = False

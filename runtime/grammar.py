@@ -296,17 +296,8 @@ class Constraint:
         # The first mask now, and a copy of the parser taking the first token it allows: limits that only
         # the tokenizer and the first token reach (a lexer too large, a row of too many alternatives)
         # then refuse the request before it runs instead of failing it mid-way.
-        self._first = self.matcher.compute_bitmask() if not self.matcher.is_error() else None
-        err = self.matcher.get_error() if self.matcher.is_error() else None
-        if err is None:
-            allowed = np.flatnonzero(np.frombuffer(self._first, dtype=np.uint8))
-            if allowed.size:
-                byte = int(allowed[0])
-                probe = self.matcher.deep_copy()
-                probe.consume_token(8 * byte + (self._first[byte] & -self._first[byte]).bit_length() - 1)
-                if not probe.is_error():
-                    probe.compute_bitmask()
-                err = probe.get_error() if probe.is_error() else None
+        self._first = None if self.matcher.is_error() else self.matcher.compute_bitmask()
+        err = self.matcher.get_error() if self.matcher.is_error() else self._probe(self._first)
         if err is not None:
             raise GrammarError(f"the request's grammar cannot be used with this model's tokenizer: {err}")
         self.after = frozenset(after)
@@ -315,6 +306,17 @@ class Constraint:
         self.active = not after                 # waiting for the end of reasoning otherwise
         self._pending = False                   # `after` seen: the grammar (or lead whitespace) next
         self._lead = 0                          # whitespace tokens taken before the grammar
+
+    def _probe(self, mask: bytes) -> str | None:
+        """The error a copy of the parser meets taking the first id `mask` allows, then its next mask."""
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little"))
+        if not allowed.size:
+            return None
+        probe = self.matcher.deep_copy()
+        probe.consume_token(int(allowed[0]))
+        if not probe.is_error():
+            probe.compute_bitmask()
+        return probe.get_error() if probe.is_error() else None
 
     @property
     def error(self) -> str | None:

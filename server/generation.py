@@ -102,10 +102,14 @@ def engine_error(text: str, grammar: str | None = None) -> APIError:
     if text.startswith("structured output failed"):
         # the request's grammar stopped matching mid-way (an llguidance limit the first mask did not reach):
         # the same request fails the same way, the engine serves on
-        field = getattr(grammar, "field", None)
-        return APIError(400, "invalid_request", f"{field + ': ' if field else ''}the output format could not be "
-                        f"followed: {text}", param=field)
+        return _grammar_error(grammar, f"the output format could not be followed: {text}")
     return APIError(503, "unavailable", f"the engine failed: {text}")
+
+
+def _grammar_error(grammar: str | None, message: str) -> APIError:
+    """A 400 for the request's output format, naming the field it came from (runtime.grammar.Grammar)."""
+    field = getattr(grammar, "field", None)
+    return APIError(400, "invalid_request", f"{field}: {message}" if field else message, param=field)
 
 
 def _parser(service, prepared: Prepared) -> parsing.OutputParser | RawContent | None:
@@ -144,8 +148,7 @@ def submit(service, prepared: Prepared) -> None:
         err = APIError(503, "unavailable", f"the engine is not serving: {e}")
     except G.GrammarError as e:
         # the output format, refused with the model's tokenizer (runtime.grammar.Constraint): name its field
-        field = getattr(prepared.params.grammar, "field", None)
-        err = APIError(400, "invalid_request", f"{field}: {e}" if field else str(e), param=field)
+        err = _grammar_error(prepared.params.grammar, str(e))
     except ValueError as e:
         # the engine's refusals name the field first where it is a request field ("logit_bias token id ...")
         err = APIError(400, "invalid_request", str(e), param="logit_bias" if str(e).startswith("logit_bias ") else None)

@@ -639,7 +639,8 @@ def test_sigkill_of_a_rank_fails_every_request_fast_and_cleanly(dense):
             coord = eng._coordinator
             pids = [p.pid for p in coord.procs]
             shm_path = f"/dev/shm/{coord._shm.name.lstrip('/')}"
-            assert all(_alive(pid) for pid in pids) and not os.path.exists(shm_path)   # unlinked once all ranks mapped it
+            # the name is unlinked once every rank has mapped the segment
+            assert all(_alive(pid) for pid in pids) and not os.path.exists(shm_path)
             long = eng.submit(prompt, greedy(3000))                                # decodes for a long while
             prefill = eng.submit([rng.randrange(256) for _ in range(3500)], greedy(8))  # 28 chunks of prefill
             queued = eng.submit(prompt, greedy(8))                                  # both slots taken: waits

@@ -11,8 +11,8 @@ column count T and weight format, against the bytes each must read at the bandwi
 
 --layers keeps only the named layers (of SHAPES). --shard-of N takes each layer as rank 0's shard of a tp N
 split (column-parallel layers O / N, o_proj and down I / N): a tp 2 rank's GEMVs, whose per-byte rate
-fell to ~0.87x of the whole layers' in the nineteenth session's step profile (docs/perf.md). --once runs every selected (layer, kind, T) GEMV once,
-eagerly and untimed, and prints the route each took: the launches a profiler such as Nsight Compute
+fell to ~0.87x of the whole layers' in the nineteenth session's step profile (docs/perf.md).
+--once runs every selected (layer, kind, T) GEMV once, eagerly and untimed, and prints the route each took: the launches a profiler such as Nsight Compute
 should see (one per combination, nothing else named gemv_; scripts/gpu-session.sh ncu).
 
 For every (O, I) of the model's decode linear layers it times kernels.cuda_linear's GEMV (CUDA graphs
