@@ -97,7 +97,7 @@ def test_mtp_forward_matches_transformers_blocks(moe, T, seed):
     main64, mtp64 = run({k: v.double() for k, v in weights.items()})
     # The bound is 1e-4, or 3x this input's own float32 rounding noise (our float32 run against our
     # float64 run) where a draw is ill-conditioned: CI met a seed that amplifies float32 rounding
-    # to ~3e-4 (a near-zero row before a norm), where no float32 implementation can agree to 1e-4.
+    # to ~3e-4, where no float32 implementation can agree with another to 1e-4.
     # A wrong formula moves the float32 and float64 runs alike, so it still fails against transformers.
     assert rel(main, ref_main) < max(1e-4, 3 * rel(main.double(), main64))
     assert rel(mtp, ref_mtp) < max(1e-4, 3 * rel(mtp.double(), mtp64))
