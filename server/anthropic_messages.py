@@ -517,7 +517,7 @@ class MessagesAPI:
             prepared = self.service.prepare(req.chat)
         except APIError as e:
             raise _worded(e) from None
-        self.service.submit(prepared)            # queue full / engine down: an HTTP error, before the 200
+        await self.service.submit_async(prepared)            # queue full / engine down: an HTTP error, before the 200
         builder = MessageBuilder("msg_" + secrets.token_hex(12), req.model, len(prepared.prompt_ids), self.seal,
                                  req.omit_thinking)
         if req.stream:

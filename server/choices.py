@@ -34,12 +34,12 @@ def copies(prepared: Prepared, n: int) -> list[Prepared]:
     return out
 
 
-def submit_all(service: Service, preps: list[Prepared]) -> None:
+async def submit_all(service: Service, preps: list[Prepared]) -> None:
     """Submit every choice; when one is refused, release those already submitted and raise its error."""
     done = []
     try:
         for p in preps:
-            service.submit(p)
+            await service.submit_async(p)
             done.append(p)
     except BaseException:
         release_all(service, done)

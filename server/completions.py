@@ -169,7 +169,7 @@ async def completions(service: Service, request: Request) -> Response:
         prepared = service.prepare(req)
         preps += choices.copies(prepared, n)
         echoes += [_echo_text(service, prepared) if req.echo else ""] * n
-    choices.submit_all(service, preps)
+    await choices.submit_all(service, preps)
     cid = "cmpl-" + secrets.token_hex(12)
     if reqs[0].stream:
         return Guarded(sse.sse_response(_stream(service, preps, cid, echoes, include_usage, n)),

@@ -13,9 +13,11 @@ parser: reasoning as usual, then the constrained content verbatim.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from runtime import grammar as G
@@ -156,6 +158,30 @@ def submit(service, prepared: Prepared) -> None:
     raise err
 
 
+# Structured-output requests are submitted from these threads: building the request's parser and its
+# first mask takes from milliseconds to about a second for a pathological grammar (llguidance releases
+# the GIL meanwhile), which must not stall the event loop's other requests. Bounded, so a flood of such
+# requests queues here instead of taking every core.
+_GRAMMAR_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-grammar")
+
+
+async def submit_async(service, prepared: Prepared) -> None:
+    """submit() for the event loop: a request with an output grammar is submitted on a worker thread;
+    others (microseconds) inline. A caller cancelled meanwhile (client gone) leaves nothing running:
+    the submission is released once the thread is done."""
+    if prepared.submitted is not None or prepared.params.grammar is None:
+        submit(service, prepared)
+        return
+    future = _GRAMMAR_POOL.submit(submit, service, prepared)
+    try:
+        await asyncio.shield(asyncio.wrap_future(future))
+    except asyncio.CancelledError:
+        # run by the worker thread once the submission is made (or now, if it is): the loop may be gone
+        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                                 else release(service, prepared))
+        raise
+
+
 def _orphaned(service, engine, stream_id: int, request_id: str) -> None:
     log.warning("request %s was submitted but never run or released; cancelled", request_id)
     engine.cancel(stream_id)
@@ -183,7 +209,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     req = prepared.request
     if prepared.claimed:
         raise RuntimeError(f"request {prepared.request_id} was already run or released")
-    submit(service, prepared)
+    await submit_async(service, prepared)
     _claim(prepared)
     engine, stream = prepared.submitted
     stats = _Run(service, prepared)

@@ -160,7 +160,7 @@ async def chat_completions(service: Service, request: Request) -> Response:
     req, opts = parse(body, service)
     prepared = service.prepare(req)
     preps = choices.copies(prepared, opts.n)
-    choices.submit_all(service, preps)
+    await choices.submit_all(service, preps)
     cid = "chatcmpl-" + secrets.token_hex(12)
     if opts.stream:
         return Guarded(sse.sse_response(_stream(service, preps, opts, cid)), lambda: choices.release_all(service, preps))

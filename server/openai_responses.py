@@ -432,7 +432,7 @@ class ResponsesAPI:
         req = await self._parse(request, count_only=False)
         with _input_errors():
             prepared = self.service.prepare(req.chat)
-        self.service.submit(prepared)            # queue full / engine down: an HTTP error, before the 200
+        await self.service.submit_async(prepared)            # queue full / engine down: an HTTP error, before the 200
         builder = ResponseBuilder(item_id("resp_"), req.echo, req.tools, self.seal, summary=req.summary,
                                   encrypted=req.encrypted)
         if req.stream:

@@ -578,6 +578,13 @@ class Service:
 
         submit(self, prepared)
 
+    async def submit_async(self, prepared: Prepared) -> None:
+        """submit() from a coroutine: a structured-output request's parser (up to ~1 s for a
+        pathological grammar) is built on a worker thread, so the event loop serves on meanwhile."""
+        from server.generation import submit_async
+
+        await submit_async(self, prepared)
+
     def release(self, prepared: Prepared) -> None:
         """Cancel a submitted request that generate() never took over; a no-op otherwise."""
         from server.generation import release

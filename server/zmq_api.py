@@ -472,10 +472,10 @@ class ZmqServer:
                 entry.ended = True
                 self._reject(envelope, rid, e if isinstance(e, APIError) else APIError(400, "invalid_request", str(e)))
                 return
-            submit = getattr(self.service, "submit", None)
+            submit = getattr(self.service, "submit_async", None)
             if submit is not None:                  # engine refusals (429, 503) before `start`, as over HTTP
                 try:
-                    submit(prepared)
+                    await submit(prepared)          # a grammar's parser is built off the event loop
                 except APIError as e:               # Service.submit has recorded the rejection
                     self._terminal(entry, envelope, rid, "error", **error_fields(e))
                     return

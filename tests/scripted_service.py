@@ -82,6 +82,9 @@ class ScriptedService:
     def submit(self, prepared: Prepared) -> None:
         pass
 
+    async def submit_async(self, prepared: Prepared) -> None:
+        self.submit(prepared)
+
     def release(self, prepared: Prepared) -> None:
         self.released.append(prepared.request_id)
 

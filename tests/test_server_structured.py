@@ -534,3 +534,86 @@ def test_raw_content_keeps_the_grammar_text_verbatim():
     assert run("reasoning", list(text)) == ("Let me think.", doc)
     assert run("content", [" spaced ", "<think>x</think> "]) == ("", " spaced <think>x</think> ")
     assert run("reasoning", ["still thinking </thi"]) == ("still thinking </thi", "")
+
+
+# ---- a grammar's parser is built off the event loop ---------------------------------------------------
+
+class _Gate:
+    """Constraint.__init__ held until opened: the build of a request's parser, made as long as wanted."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from runtime import grammar as G
+        self.entered, self.open = threading.Event(), threading.Event()
+        real = G.Constraint.__init__
+
+        def held(c, *a, **k):
+            self.entered.set()
+            assert self.open.wait(60), "the gate was never opened"
+            real(c, *a, **k)
+        monkeypatch.setattr(G.Constraint, "__init__", held)
+
+
+def test_other_requests_are_served_while_a_grammar_is_built(srv, monkeypatch):
+    """A constrained request whose parser takes long to build (held here; ~1 s for a pathological
+    grammar) does not stall the server: a plain request and /v1/models complete meanwhile, then the
+    constrained one completes too."""
+    import threading
+
+    gate = _Gate(monkeypatch)
+    done: dict = {}
+    slow = threading.Thread(target=lambda: done.update(r=post(srv, "/v1/chat/completions", {
+        "model": "demo", "messages": USER, "max_tokens": 8, "guided_choice": ["yes", "no"], **NO_THINK})))
+    slow.start()
+    try:
+        assert gate.entered.wait(60), "the constrained request never reached its grammar"
+        # with the parser built on the event loop these would wait for the gate (and time out)
+        models = httpx.get(srv.url + "/v1/models", timeout=20)
+        plain = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "demo", "messages": USER, "max_tokens": 4, **NO_THINK})
+        assert not done, "the constrained request ended before its grammar was built"
+        assert models.status_code == 200 and plain.status_code == 200, (models.text, plain.text)
+    finally:
+        gate.open.set()
+        slow.join(120)
+    assert done["r"].status_code == 200, done["r"].text
+    assert done["r"].json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_a_submission_abandoned_while_its_grammar_builds_is_released(srv, monkeypatch):
+    """The coroutine awaiting a grammar's build is cancelled (the client left): once the build ends,
+    the submission is cancelled in the engine and the service counts no request in flight."""
+    import asyncio
+
+    from runtime import grammar as G
+    from server.service import ChatRequest
+
+    gate = _Gate(monkeypatch)
+    service = srv.service
+    prepared = service.prepare(ChatRequest(messages=USER, max_tokens=8, thinking=False,
+                                           grammar=G.json_object_grammar()))
+    assert prepared.params.grammar is not None
+    before = service.in_flight
+
+    async def abandon():
+        task = asyncio.ensure_future(service.submit_async(prepared))
+        while not gate.entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(abandon())
+    assert not prepared.claimed
+    gate.open.set()
+    import time
+    for _ in range(600):                      # the worker thread finishes the submission, then releases it
+        if prepared.claimed:
+            break
+        time.sleep(0.05)
+    assert prepared.claimed and prepared.submitted is not None
+    engine, stream = prepared.submitted
+    final = [e for e in stream][-1]
+    assert final.final and final.finish_reason == "cancelled", final
+    assert service.in_flight == before
