@@ -234,3 +234,27 @@ def from_fp8_checkpoint(weight: Tensor, weight_scale_inv: Tensor) -> QuantWeight
         w = w.contiguous().view(torch.uint8)
     O, I = w.shape
     return QuantWeight("fp8_block", O, I, w.contiguous(), weight_scale_inv.to(torch.float32).contiguous())
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight | None:
+    """The row concatenation of quantised weights of one kind, width and device, exactly: fp8 codes and
+    per-row or per-tile scales stacked, nvfp4 codes and group scales stacked under their one global
+    scale. None where that is not exact: fp8_block parts (all but the last) whose rows are not whole
+    128-row tiles, or nvfp4 parts whose global scales differ (each part would need its own)."""
+    if not parts:
+        raise QuantError("cat_rows: no parts")
+    first = parts[0]
+    if any(p.kind != first.kind or p.in_features != first.in_features or p.device != first.device for p in parts):
+        return None
+    if len(parts) == 1:
+        return first
+    if first.kind == "fp8_block" and any(p.out_features % BLOCK for p in parts[:-1]):
+        return None
+    gs = None
+    if first.kind == "nvfp4":
+        if any(not torch.equal(p.global_scale, first.global_scale) for p in parts[1:]):
+            return None
+        gs = first.global_scale
+    O = sum(p.out_features for p in parts)
+    return QuantWeight(first.kind, O, first.in_features, torch.cat([p.data for p in parts]),
+                       torch.cat([p.scale for p in parts]), gs)

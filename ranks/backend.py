@@ -49,7 +49,12 @@ def build_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str, b
     if random_weights:
         w = random_shard(spec, 0, 1, dtype=dtype, device=device)
     else:
-        w = load_weights(Checkpoint(model_dir), spec, dtype=dtype, device=device)
+        if spec.quantization:
+            from ranks.checkpoint_quant import quantised_conflict
+            problem = quantised_conflict(spec, weights)
+            if problem:
+                raise ValueError(problem)
+        w = load_weights(Checkpoint(model_dir), spec, dtype=dtype, device=device, keep_quantised=backend == "cuda")
     if backend == "cuda":
         from ranks.model_cuda import CudaHybridModel
         return CudaHybridModel(spec, w, weight_format=weights, cuda_graphs=cuda_graphs)

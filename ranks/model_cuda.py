@@ -34,7 +34,7 @@ from kernels import cuda_linear as cl
 from kernels import cuda_misc as cm
 from kernels import launch
 from kernels import reference as ops
-from kernels.quant import QuantWeight, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
+from kernels.quant import QuantWeight, cat_rows, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched
 from runtime.config import FULL_ATTENTION, PAGE_SIZE, ModelSpec
@@ -572,19 +572,31 @@ class CudaHybridModel(HybridModel):
         return self.all_reduce(self._add_shared_expert(q, h, y))
 
 
-def _fuse_gate_up(weights: dict[str, Tensor]) -> None:
+def _fuse_gate_up(weights: dict[str, Tensor | QuantWeight]) -> None:
     """Concatenate every dense gate/up pair into one [2I, E] weight (one pass over the input per
-    step); the separate names stay as views of it."""
+    step); the separate names stay as views of it. A pre-quantised pair is joined exactly
+    (kernels.quant.cat_rows), or where it cannot be (nvfp4 halves with different global scales, fp8
+    halves off the 128-row tiles) dequantised to bf16 first."""
     for name in [n for n in weights if n.endswith("gate_proj.weight") and ".experts." not in n]:
         base = name[: -len("gate_proj.weight")]
         if base + "gate_up_proj.weight" in weights:
             continue
         gate, up = weights[name], weights[base + "up_proj.weight"]
-        fused = torch.cat([gate, up], dim=0)
+        if isinstance(gate, QuantWeight) or isinstance(up, QuantWeight):
+            fused = cat_rows([gate, up]) if isinstance(gate, QuantWeight) and isinstance(up, QuantWeight) else None
+            if fused is None:
+                log.warning("%sgate_proj / up_proj: quantised halves that cannot be joined exactly; "
+                            "dequantised to bf16", base)
+                fused = torch.cat([t.dequantize(torch.bfloat16) if isinstance(t, QuantWeight) else t
+                                   for t in (gate, up)], dim=0)
+        else:
+            fused = torch.cat([gate, up], dim=0)
         del gate, up
+        half = _out_features(fused) // 2
         weights[base + "gate_up_proj.weight"] = fused
-        weights[name] = fused[: fused.shape[0] // 2]
-        weights[base + "up_proj.weight"] = fused[fused.shape[0] // 2:]
+        weights[name] = cl.weight_rows(fused, 0, half) if isinstance(fused, QuantWeight) else fused[:half]
+        weights[base + "up_proj.weight"] = (cl.weight_rows(fused, half, 2 * half) if isinstance(fused, QuantWeight)
+                                            else fused[half:])
 
 
 # The shared expert folded into the routed experts for decode (_fold_shared_experts): names under
@@ -698,12 +710,25 @@ def _out_features(t) -> int:
 
 def _fuse_projections(weights: dict[str, Tensor | QuantWeight]) -> None:
     """Concatenate each FUSED_PROJECTIONS group of 16-bit weights into one [sum O, I] weight; the parts
-    stay as views of it. Groups with a quantised part (a quantised checkpoint) stay apart."""
+    stay as views of it. A pre-quantised checkpoint's groups are joined where that is exact
+    (kernels.quant.cat_rows: one kind, fp8 parts on 128-row tiles, nvfp4 parts under one global
+    scale), their parts then row slices of it; other groups with a quantised part stay apart."""
     for fused, parts, _ in FUSED_PROJECTIONS:
         for name in [n for n in weights if n.endswith(parts[0])]:
             base = name[: -len(parts[0])]
             ts = [weights.get(base + p) for p in parts]
-            if base + fused in weights or any(not isinstance(t, Tensor) or t.dim() != 2 for t in ts):
+            if base + fused in weights:
+                continue
+            if all(isinstance(t, QuantWeight) for t in ts):
+                q = cat_rows(ts)
+                if q is not None:
+                    weights[base + fused] = q
+                    a = 0
+                    for p, t in zip(parts, ts):
+                        weights[base + p] = cl.weight_rows(q, a, a + t.out_features)
+                        a += t.out_features
+                continue
+            if any(not isinstance(t, Tensor) or t.dim() != 2 for t in ts):
                 continue
             if len({(t.dtype, t.device, t.shape[1]) for t in ts}) != 1:
                 continue

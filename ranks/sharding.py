@@ -14,10 +14,14 @@ Each rank reads only its slices from the safetensors files (Checkpoint.read with
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ranks.weights import Checkpoint, Layout, validate
 from runtime.config import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 class ShardError(ValueError):
@@ -39,20 +43,45 @@ def _part(n: int, rank: int, tp: int, offset: int = 0) -> slice:
 
 
 def load_shard(ckpt: Checkpoint, spec: ModelSpec, rank: int, tp: int, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", layout: Layout | None = None) -> dict[str, torch.Tensor]:
+               device: str | torch.device = "cpu", layout: Layout | None = None,
+               keep_quantised: bool = False) -> dict[str, torch.Tensor]:
     """Validate the checkpoint, then read rank `rank`'s slices of every tensor (experts fused).
 
     Names are canonical; ``lm_head.weight`` is always present (the tied embedding's rows when tied).
-    With tp == 1 this equals ranks.weights.load_weights plus the head.
+    With tp == 1 this equals ranks.weights.load_weights plus the head. A pre-quantised checkpoint's
+    weights are dequantised to `dtype`; with `keep_quantised` (the CUDA backend) the linear weights
+    its kernels read quantised (checkpoint_quant.KEPT) come back as QuantWeight where this rank's
+    slice falls on the format's block boundaries (always at tp 1; at tp 2 for the 27B and 35B-A3B).
     """
     check_tp(spec, tp)
     if not 0 <= rank < tp:
         raise ShardError(f"rank {rank} outside [0, {tp})")
     layout = layout or validate(ckpt, spec)
     out: dict[str, torch.Tensor] = {}
+    quant = getattr(layout, "quantised", None) or {}
+    unaligned: list[str] = []
 
-    def read(name: str, *index: slice) -> torch.Tensor:
-        return ckpt.read(name, index=index or None, dtype=dtype)
+    def read(name: str, *index: slice):
+        q = quant.get(name)
+        if q is None:
+            return ckpt.read(name, index=index or None, dtype=dtype)
+        from ranks import checkpoint_quant as CQ
+        rows, cols = (tuple(index) + (None, None))[:2]
+        if keep_quantised and name.endswith(CQ.KEPT):
+            w = CQ.read(ckpt, q, rows, cols)
+            if w is not None:
+                return w
+            unaligned.append(name)
+        return CQ.dequantised(ckpt, q, rows, cols, dtype)
+
+    def cat_rows(parts: list):
+        """Row sections of one weight (in_proj_qkv's q, k, v): one QuantWeight where they join exactly."""
+        from kernels.quant import QuantWeight, cat_rows as q_cat
+        if all(isinstance(t, QuantWeight) for t in parts):
+            joined = q_cat(parts)
+            if joined is not None:
+                return joined
+        return torch.cat([t.dequantize(dtype) if isinstance(t, QuantWeight) else t for t in parts])
 
     kd, vd = spec.linear_key_dim, spec.linear_value_dim
     every = slice(None)
@@ -60,7 +89,11 @@ def load_shard(ckpt: Checkpoint, spec: ModelSpec, rank: int, tp: int, dtype: tor
     def col(n: int, offset: int = 0) -> slice:      # this rank's part of an output (row) axis
         return _part(n, rank, tp, offset)
 
-    for name in sorted(ckpt.tensors):
+    names = set(ckpt.tensors)
+    if quant:                                        # the logical weights, not their stored parts
+        from ranks.checkpoint_quant import is_unused
+        names = {n for n in names if not is_unused(n)} - {p for q in quant.values() for p in q.stored} | set(quant)
+    for name in sorted(names):
         if name.startswith("mtp.") and not layout.has_mtp:
             continue
         if name in layout.ignored:
@@ -80,7 +113,7 @@ def load_shard(ckpt: Checkpoint, spec: ModelSpec, rank: int, tp: int, dtype: tor
         elif key == "o_proj.weight":
             t = read(name, every, col(spec.q_width))
         elif key in ("in_proj_qkv.weight", "conv1d.weight"):
-            t = torch.cat([read(name, col(kd)), read(name, col(kd, kd)), read(name, col(vd, 2 * kd))])
+            t = cat_rows([read(name, col(kd)), read(name, col(kd, kd)), read(name, col(vd, 2 * kd))])
         elif key == "in_proj_z.weight":
             t = read(name, col(vd))
         elif key in ("in_proj_b.weight", "in_proj_a.weight") or name.endswith(("linear_attn.A_log",
@@ -114,4 +147,8 @@ def load_shard(ckpt: Checkpoint, spec: ModelSpec, rank: int, tp: int, dtype: tor
         out[prefix + "down_proj"] = torch.stack(down).to(device)
     if spec.tie_word_embeddings:
         out["lm_head.weight"] = read("embed_tokens.weight", col(spec.vocab_size)).to(device)
+    if unaligned:
+        log.warning("rank %d of %d: %d quantised weights (%s, ...) are dequantised to %s: this rank's slice "
+                    "does not fall on the format's block boundaries", rank, tp, len(unaligned), unaligned[0],
+                    str(dtype).replace("torch.", ""))
     return out

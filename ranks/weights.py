@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
@@ -313,16 +313,26 @@ def _moe_prefixes(spec: ModelSpec, with_mtp: bool) -> list[str]:
 
 @dataclass(frozen=True)
 class Layout:
-    """What validate() found: which experts are stored per expert, whether MTP weights are present."""
+    """What validate() found: which experts are stored per expert, whether MTP weights are present,
+    which linear weights are stored quantised."""
     has_mtp: bool
     per_expert: frozenset[str]     # expert prefixes stored per expert (others are fused)
     ignored: frozenset[str] = frozenset()    # accepted, never loaded (a zero-width shared expert)
+    # logical weight name -> ranks.checkpoint_quant.QuantTensor (pre-quantised checkpoints)
+    quantised: Mapping = field(default_factory=dict, compare=False)
 
 
 def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
     """Check names, shapes and dtypes of every tensor against `spec`; raise CheckpointError on the first
     problem (naming the file and tensor), return the layout found."""
-    names = set(ckpt.tensors)
+    from ranks import checkpoint_quant as CQ
+    quant, stored = CQ.find(ckpt.tensors)
+    _check_quantisation(ckpt, spec, quant)
+    unused = {n for n in ckpt.tensors if CQ.is_unused(n)} if quant else set()
+    if unused:
+        log.info("%s: %d activation / KV-cache scales are not used (activations and KV stay 16-bit)",
+                 ckpt.dir, len(unused))
+    names = (set(ckpt.tensors) - stored - unused) | set(quant)
     mtp_names = {n for n in names if n.startswith("mtp.")}
     has_mtp = bool(spec.mtp_num_layers and mtp_names)
     if spec.mtp_num_layers and not mtp_names:
@@ -370,25 +380,61 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
                               f"({spec.source}) implies it")
     extra = sorted(names - set(expected))
     if extra:
-        info = ckpt.tensors[extra[0]]
+        info = ckpt.tensors[quant[extra[0]].data if extra[0] in quant else extra[0]]
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"{info.file}: unexpected tensor {info.key!r}{more}: the config "
                               f"({spec.source}) has no place for it")
     for name in sorted(expected):
+        q = quant.get(name)
+        if q is not None:
+            if q.shape != expected[name]:
+                info = ckpt.tensors[q.data]
+                raise CheckpointError(f"{info.file}: tensor {info.key!r} holds a quantised weight of shape "
+                                      f"{list(q.shape)} but the config ({spec.source}) implies {list(expected[name])}")
+            continue
         info = ckpt.tensors[name]
         if info.shape != expected[name]:
             raise CheckpointError(f"{info.file}: tensor {info.key!r} has shape {list(info.shape)} but the "
                                   f"config ({spec.source}) implies {list(expected[name])}")
         if info.dtype not in _FLOAT_TAGS:
             raise CheckpointError(f"{info.file}: tensor {info.key!r} has dtype {info.dtype}; expected one of "
-                                  f"{', '.join(_FLOAT_TAGS)} (quantized checkpoints are not supported yet)")
-    return Layout(has_mtp=has_mtp, per_expert=frozenset(per_expert), ignored=frozenset(ignored))
+                                  f"{', '.join(_FLOAT_TAGS)}, or a quantised 2-D weight stored with its scales "
+                                  "(fp8 weight_scale_inv, ModelOpt weight_scale / weight_scale_2, "
+                                  "compressed-tensors weight_packed)")
+    return Layout(has_mtp=has_mtp, per_expert=frozenset(per_expert), ignored=frozenset(ignored),
+                  quantised={n: q for n, q in quant.items() if n in expected})
+
+
+def _check_quantisation(ckpt: Checkpoint, spec: ModelSpec, quant: Mapping) -> None:
+    """The quantised tensors and the config's quantization_config agree."""
+    from ranks.checkpoint_quant import FORMAT_KIND
+    if quant and spec.quantization is None:
+        q = next(iter(quant.values()))
+        info = ckpt.tensors[q.data]
+        raise CheckpointError(f"{info.file}: tensor {info.key!r} is stored quantised ({q.fmt}) but the config "
+                              f"({spec.source}) has no quantization_config")
+    for q in quant.values():
+        if FORMAT_KIND[q.fmt] != spec.quantization:
+            info = ckpt.tensors[q.data]
+            raise CheckpointError(f"{info.file}: tensor {info.key!r} is stored as {FORMAT_KIND[q.fmt]} ({q.fmt}) "
+                                  f"but the config's quantization_config ({spec.source}) says {spec.quantization}")
+    if spec.quantization and not quant:
+        log.warning("%s: the config has a quantization_config (%s) but no tensor is stored quantised; "
+                    "loading the 16-bit tensors", ckpt.dir, spec.quantization)
 
 
 def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Validate, then read every tensor in `dtype`; experts come back fused, tied lm_head omitted."""
+                 device: str | torch.device = "cpu", keep_quantised: bool = False) -> dict[str, torch.Tensor]:
+    """Validate, then read every tensor in `dtype`; experts come back fused, tied lm_head omitted.
+    A pre-quantised checkpoint's weights are dequantised, or with `keep_quantised` (the CUDA backend)
+    the ones its kernels read quantised come back as QuantWeight (ranks/checkpoint_quant.py)."""
     layout = validate(ckpt, spec)
+    if layout.quantised:
+        from ranks.sharding import load_shard
+        out = load_shard(ckpt, spec, 0, 1, dtype=dtype, device=device, layout=layout, keep_quantised=keep_quantised)
+        if spec.tie_word_embeddings:
+            del out["lm_head.weight"]
+        return out
     out: dict[str, torch.Tensor] = {}
     for name in ckpt.tensors:
         if name.startswith("mtp.") and not layout.has_mtp:

@@ -31,6 +31,7 @@ from ranks.model import Batch, HybridModel
 from ranks.sampler import (SeqSampler, _nan_row, accept_greedy, accept_sampled, argmax_rows, gather_log_probs,
                            local_candidates, merge_on_device, sample_rows, take_rows, token_logprobs, with_tokens)
 from ranks.backend import choose_backend
+from ranks.checkpoint_quant import quantised_conflict
 from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
 from ranks.weights import Checkpoint, validate
@@ -67,13 +68,19 @@ class Worker:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         backend = choose_backend(opts.get("backend", "auto"), device, dtype, opts.get("weights", "bf16"))
+        self.backend, self.weight_format = backend, opts.get("weights", "bf16")
         if opts.get("random_weights"):
             weights = random_shard(self.spec, self.rank, self.tp, dtype=dtype, device=device)
         else:
             ckpt = Checkpoint(hello.model_dir)
             layout = validate(ckpt, self.spec)
-            weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout)
-        self.backend, self.weight_format = backend, opts.get("weights", "bf16")
+            if layout.quantised:
+                problem = quantised_conflict(self.spec, self.weight_format)
+                if problem:
+                    raise ValueError(problem)
+                self.weight_format = f"{self.spec.quantization} (checkpoint)"
+            weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout,
+                                 keep_quantised=backend == "cuda")
         timeout_s = float(opts.get("mailbox_timeout_s", 60))
         self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=timeout_s)
         self.transport = None
@@ -83,6 +90,7 @@ class Worker:
             kind = opts.get("transport", "auto")
             self.transport = choose(kind, self.rank, self.tp, torch.cuda.current_device(), self.mailbox,
                                     opts.get("gpu_mailbox"), opts.get("nccl_init"), timeout_s)
+            # a pre-quantised checkpoint's weights arrive quantised: "bf16" quantises nothing more
             self.model = CudaHybridModel(self.spec, weights, tp=self.tp, all_reduce=self.transport.all_reduce,
                                          weight_format=opts.get("weights", "bf16"),
                                          cuda_graphs=bool(opts.get("cuda_graphs", True)),

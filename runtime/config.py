@@ -70,6 +70,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "bfloat16"           # the checkpoint's stored dtype
+    # a pre-quantised checkpoint's linear weights (quantization_config): "fp8-block" (E4M3, 128x128
+    # scales) or "nvfp4" (E2M1, E4M3 scale per 16, fp32 global); None for 16-bit checkpoints
+    quantization: str | None = None
     source: str = field(default="<dict>", compare=False)
 
     @property
@@ -152,7 +155,22 @@ def load_spec(model_dir: str | os.PathLike) -> ModelSpec:
             raw = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot parse config.json: {e}") from e
+    hf_quant = os.path.join(os.fspath(model_dir), "hf_quant_config.json")
+    if isinstance(raw, dict) and os.path.isfile(hf_quant) and not _has_quantization(raw):
+        # NVIDIA ModelOpt exports before quantization_config: {"quantization": {"quant_algo": ...}}
+        try:
+            with open(hf_quant, encoding="utf-8") as f:
+                section = json.load(f).get("quantization")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ConfigError(f"{hf_quant}: cannot parse hf_quant_config.json: {e}") from e
+        if section:
+            raw = dict(raw, quantization_config={"quant_method": "modelopt", "quantization": section})
     return spec_from_hf(raw, source=path)
+
+
+def _has_quantization(raw: dict) -> bool:
+    text = raw.get("text_config")
+    return bool(raw.get("quantization_config") or (isinstance(text, dict) and text.get("quantization_config")))
 
 
 def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
@@ -194,11 +212,7 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
         raise ConfigError(f"{source}: unsupported model_type {model_type!r} (supported: {allowed})")
     is_moe = model_type == "qwen3_5_moe_text"
 
-    if "quantization_config" in r.raw and r.raw["quantization_config"]:
-        qm = r.raw["quantization_config"].get("quant_method") if isinstance(
-            r.raw["quantization_config"], dict) else r.raw["quantization_config"]
-        raise ConfigError(f"{r.source}: field 'quantization_config' (quant_method {qm!r}) is not supported "
-                          "yet: only unquantized float checkpoints load")
+    quantization = _quantization(r.raw.get("quantization_config"), r.source)
 
     hidden = r.get("hidden_size", int, minimum=1)
     num_layers = r.get("num_hidden_layers", int, minimum=1)
@@ -310,9 +324,58 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
         eos_token_ids=eos_ids,
         pad_token_id=r.raw.get("pad_token_id") if isinstance(r.raw.get("pad_token_id"), int) else None,
         dtype=dtype,
+        quantization=quantization,
         source=source,
         **moe_kwargs,
     )
+
+
+QUANT_METHODS = ("fp8 (block-scaled, weight_block_size [128, 128])", "modelopt (quant_algo NVFP4)",
+                 "compressed-tensors (format nvfp4-pack-quantized)")
+
+
+def _quantization(qc: Any, source: str) -> str | None:
+    """The weight format of a pre-quantised checkpoint from its quantization_config (or the quantization
+    section of ModelOpt's hf_quant_config.json): "fp8-block", "nvfp4", or None when there is none.
+    ConfigError naming the field for a method or layout tandem cannot load. Which tensors are quantised
+    is read from the checkpoint itself (ranks/checkpoint_quant.py), not from the config's module lists."""
+    if not qc:
+        return None
+    f = "quantization_config"
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{source}: field '{f}' must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    supported = "supported: " + "; ".join(QUANT_METHODS)
+    if method == "fp8":
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ConfigError(f"{source}: field '{f}.fmt' is {fmt!r}; only 'e4m3' fp8 weights load")
+        block = qc.get("weight_block_size")
+        if block != [128, 128]:
+            raise ConfigError(f"{source}: field '{f}.weight_block_size' is {block!r}; only block-scaled fp8 "
+                              "checkpoints with [128, 128] blocks load (per-tensor or per-channel fp8 do not)")
+        return "fp8-block"
+    if method == "modelopt":
+        section = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+        algo = section.get("quant_algo")
+        if algo != "NVFP4":
+            raise ConfigError(f"{source}: field '{f}.quant_algo' is {algo!r}; only ModelOpt 'NVFP4' "
+                              f"checkpoints load ({supported})")
+        group = section.get("group_size", 16)
+        if group != 16:
+            raise ConfigError(f"{source}: field '{f}.group_size' is {group!r}; NVFP4 scales groups of 16")
+        return "nvfp4"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups")
+        formats = {qc.get("format")} | ({g.get("format") for g in groups.values() if isinstance(g, dict)}
+                                       if isinstance(groups, dict) else set())
+        formats.discard(None)
+        if formats != {"nvfp4-pack-quantized"}:
+            raise ConfigError(f"{source}: field '{f}.format' is {sorted(formats) or None!r}; only "
+                              f"compressed-tensors 'nvfp4-pack-quantized' checkpoints load ({supported})")
+        return "nvfp4"
+    raise ConfigError(f"{source}: field '{f}.quant_method' is {method!r}; {supported}; or a 16-bit checkpoint "
+                      "(quantised on load with --weights)")
 
 
 def _rope(r: "_Reader", head_dim: int) -> tuple[int, float]:

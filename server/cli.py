@@ -104,7 +104,8 @@ def add_backend_arguments(p) -> None:
                    help="layer program: tandem's CUDA kernels or the torch reference ops (default auto: "
                         "cuda for bfloat16 on a CUDA device)")
     p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4"],
-                   help="weight format on the device, quantised on load from a 16-bit checkpoint (cuda backend)")
+                   help="weight format on the device, quantised on load from a 16-bit checkpoint (cuda backend); "
+                        "a pre-quantised checkpoint (fp8 block-scaled, nvfp4) keeps its own and needs bf16 here")
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8"],
                    help="KV cache format: bf16 (the activation dtype) or int8 (symmetric, one fp32 scale per "
                         "64 channels of each token and kv head; about half the KV bytes)")
@@ -314,6 +315,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         spec_k = spec_draft_tokens(args, model_dir)
+        if not args.random_weights:
+            from ranks.checkpoint_quant import quantised_conflict
+            from runtime.config import load_spec
+            problem = quantised_conflict(load_spec(model_dir), args.weights)
+            if problem:
+                raise ValueError(problem)
         if args.tp > 1 and not args.random_weights:
             # every header, name, shape and dtype (no tensor data) before rank processes start: a checkpoint
             # that cannot load is refused here, as at tp 1, not reported by a rank

@@ -69,6 +69,10 @@ def serve(args, argv: list[str]) -> int:
     conflict = spec.tp_conflict(args.tp)             # the ranks' rule, before anything listens (exit 2)
     if conflict:
         return _fail(f"--tp {args.tp}: {conflict}")
+    from ranks.checkpoint_quant import quantised_conflict
+    conflict = None if args.random_weights else quantised_conflict(spec, args.weights)
+    if conflict:
+        return _fail(conflict)
     max_context = args.max_context or min(spec.max_position_embeddings, 8192)
     if max_context > spec.max_position_embeddings:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "

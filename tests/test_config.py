@@ -366,10 +366,27 @@ REFUSED = {
                             "-1.0"),
     "legacy_rope_theta_string": (text(rope_parameters=_DROP, rope_theta="1e7"), "rope_theta", "'1e7'"),
     # unsupported features
-    "quantization_config_fp8": (text(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
-                                "quantization_config", "'fp8'"),
+    "quantization_config_fp8_per_tensor": (text(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
+                                           "quantization_config.weight_block_size", "None"),
+    "quantization_config_fp8_64_blocks": (text(quantization_config={"quant_method": "fp8",
+                                                                    "weight_block_size": [64, 64]}),
+                                          "quantization_config.weight_block_size", "[64, 64]"),
+    "quantization_config_fp8_e5m2": (text(quantization_config={"quant_method": "fp8", "fmt": "e5m2",
+                                                               "weight_block_size": [128, 128]}),
+                                     "quantization_config.fmt", "'e5m2'"),
     "quantization_config_on_wrapper": (wrapper(text(), quantization_config={"quant_method": "modelopt"}),
-                                       "quantization_config", "'modelopt'"),
+                                       "quantization_config.quant_algo", "None"),
+    "quantization_config_modelopt_fp8": (text(quantization_config={"quant_method": "modelopt", "quant_algo": "FP8"}),
+                                         "quantization_config.quant_algo", "'FP8'"),
+    "quantization_config_modelopt_group_32": (text(quantization_config={"quant_method": "modelopt",
+                                                                        "quant_algo": "NVFP4", "group_size": 32}),
+                                              "quantization_config.group_size", "32"),
+    "quantization_config_awq": (text(quantization_config={"quant_method": "awq", "bits": 4}),
+                                "quantization_config.quant_method", "'awq'"),
+    "quantization_config_ct_int4": (text(quantization_config={"quant_method": "compressed-tensors",
+                                                              "format": "pack-quantized"}),
+                                    "quantization_config.format", "'pack-quantized'"),
+    "quantization_config_not_object": (text(quantization_config="fp8"), "quantization_config", "'fp8'"),
     "hidden_act_gelu": (text(hidden_act="gelu"), "hidden_act", "'gelu'"),
     "attention_bias_true": (text(attention_bias=True), "attention_bias", "true"),
     "attn_output_gate_false": (text(attn_output_gate=False), "attn_output_gate", "false"),
@@ -472,3 +489,38 @@ def test_omitted_fields_read_as_transformers_reads_them():
     assert list(spec.layer_types) == list(hf.layer_types)
     assert (spec.conv_kernel, spec.rms_norm_eps) == (hf.linear_conv_kernel_dim, hf.rms_norm_eps)
 
+
+
+QUANT_CONFIGS = {
+    "fp8_block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}, "fp8-block"),
+    "modelopt_nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                        "exclude_modules": ["lm_head"]}, "nvfp4"),
+    "compressed_tensors_nvfp4": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                                  "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "targets": ["Linear"],
+                                                                "weights": {"num_bits": 4, "type": "float",
+                                                                            "group_size": 16}}}}, "nvfp4"),
+}
+
+
+@pytest.mark.parametrize("qc,kind", QUANT_CONFIGS.values(), ids=QUANT_CONFIGS.keys())
+def test_pre_quantised_configs_name_their_format(tmp_path, qc, kind):
+    """quantization_config of the three loadable formats, on the text config or the wrapper."""
+    for raw in (text(quantization_config=qc), wrapper(text(), quantization_config=qc)):
+        model_dir, _ = write_config(tmp_path, raw)
+        assert load_spec(model_dir).quantization == kind
+    model_dir, _ = write_config(tmp_path, text())
+    assert load_spec(model_dir).quantization is None
+
+
+def test_hf_quant_config_json_is_read_for_modelopt(tmp_path):
+    """ModelOpt's older export: no quantization_config, an hf_quant_config.json beside config.json."""
+    model_dir, path = write_config(tmp_path, text())
+    with open(os.path.join(model_dir, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}, f)
+    assert load_spec(model_dir).quantization == "nvfp4"
+    with open(os.path.join(model_dir, "hf_quant_config.json"), "w") as f:
+        json.dump({"quantization": {"quant_algo": "W4A16_AWQ"}}, f)
+    with pytest.raises(ConfigError) as exc:
+        load_spec(model_dir)
+    assert "quant_algo" in str(exc.value) and "'W4A16_AWQ'" in str(exc.value)
