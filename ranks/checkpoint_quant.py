@@ -1,13 +1,16 @@
 """Pre-quantised checkpoints: which linear weights of a safetensors checkpoint are stored quantised,
 and reading them (whole, or one rank's slice) as kernels.quant.QuantWeight or dequantised.
 
-Three on-disk formats load (the spec's section 8); the config's quantization_config names the method
-(runtime.config, ModelSpec.quantization) and the tensors say which weights are quantised, so the
-config's module lists (modules_to_not_convert, exclude_modules, ignore) need not be parsed:
+These on-disk formats load (the spec's section 8); the config's quantization_config names the method
+(runtime.config, ModelSpec.quantization) and the tensors say which weights are quantised and how, so
+the config's module lists (modules_to_not_convert, exclude_modules, ignore) need not be parsed:
 
 - FP8 block-scaled (the official ``-FP8`` repositories; quant_method "fp8", weight_block_size
   [128, 128]): ``<m>.weight`` float8_e4m3fn [N, K] and ``<m>.weight_scale_inv`` fp32
   [ceil(N/128), ceil(K/128)], a multiplier despite its name: W = fp8(code) * scale of its tile.
+- FP8 with ``<m>.weight_scale`` (compressed-tensors "float-quantized", ModelOpt quant_algo "FP8"):
+  [ceil(N/128), ceil(K/128)] (block strategy), [N, 1] (channel: one scale per row) or one value
+  (tensor); the last two load as fp8_row.
 - NVIDIA ModelOpt NVFP4 (quant_method "modelopt", quant_algo "NVFP4"; or hf_quant_config.json):
   ``<m>.weight`` uint8 [N, K/2] (two E2M1 codes a byte, element 2i in the low nibble),
   ``<m>.weight_scale`` float8_e4m3fn [N, K/16], ``<m>.weight_scale_2`` fp32 scalar:
@@ -22,8 +25,8 @@ KV cache stay 16-bit (or --kv-dtype int8).
 
 The CUDA backend keeps the linear weights its kernels read quantised (KEPT: attention, GDN and MLP /
 shared-expert projections) where a rank's slice falls on the format's block boundaries, as
-QuantWeight (kind fp8_block or nvfp4; compressed-tensors' divisor becomes the multiplier 1/g in
-fp32); everything else (routed experts, a|b, routers, the reference backend's whole model) is
+QuantWeight (kind fp8_block, fp8_row or nvfp4; compressed-tensors' divisor becomes the multiplier
+1/g in fp32); everything else (routed experts, a|b, routers, the reference backend's whole model) is
 dequantised at load, in fp32 and cast once to the model's dtype.
 """
 
@@ -48,7 +51,8 @@ KEPT = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.
         "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
         "mlp.shared_expert.down_proj.weight")
 
-FORMAT_KIND = {"fp8": "fp8-block", "modelopt": "nvfp4", "compressed-tensors": "nvfp4"}
+# the ModelSpec.quantization name of each QuantWeight kind
+SPEC_KIND = {"fp8_block": "fp8-block", "fp8_row": "fp8", "nvfp4": "nvfp4"}
 _FLOAT_SCALES = ("F32", "BF16", "F16")
 # stored beside quantised weights or attention layers, accepted and not loaded
 UNUSED_SUFFIXES = (".input_scale", ".input_global_scale", ".weight_shape", ".k_scale", ".v_scale")
@@ -59,19 +63,17 @@ QuantCheckpointError = CheckpointError       # a quantised tensor that cannot be
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """One quantised linear weight: its canonical (logical) name and [N, K] shape, and the stored
-    tensors it is made of (canonical names)."""
+    """One quantised linear weight: its canonical (logical) name and [N, K] shape, the QuantWeight kind
+    it loads as, and the stored tensors it is made of (canonical names)."""
     name: str
-    fmt: str                          # "fp8" | "modelopt" | "compressed-tensors"
+    kind: str                         # "fp8_block" | "fp8_row" | "nvfp4"
+    fmt: str                          # the layout, for messages: "fp8 weight_scale_inv", ...
     shape: tuple[int, int]
     data: str
     scale: str
     global_scale: str | None = None
-
-    @property
-    def kind(self) -> str:
-        """The QuantWeight kind it loads as."""
-        return "fp8_block" if self.fmt == "fp8" else "nvfp4"
+    divisor: bool = False             # nvfp4: the global scale divides (compressed-tensors)
+    per_tensor: bool = False          # fp8_row: one scale for the whole weight
 
     @property
     def stored(self) -> tuple[str, ...]:
@@ -87,9 +89,11 @@ def find(tensors: dict) -> tuple[dict[str, QuantTensor], set[str]]:
         if n.endswith(".weight_scale_inv"):
             q = _fp8(tensors, n[: -len("_scale_inv")], n)
         elif n.endswith(".weight_packed"):
-            q = _nvfp4(tensors, n[: -len("_packed")], "compressed-tensors", n, ".weight_global_scale")
+            q = _nvfp4(tensors, n[: -len("_packed")], "compressed-tensors NVFP4", n, ".weight_global_scale")
         elif n.endswith(".weight_scale_2"):
-            q = _nvfp4(tensors, n[: -len("_scale_2")], "modelopt", n[: -len("_scale_2")], ".weight_scale_2")
+            q = _nvfp4(tensors, n[: -len("_scale_2")], "ModelOpt NVFP4", n[: -len("_scale_2")], ".weight_scale_2")
+        elif n.endswith(".weight_scale") and n + "_2" not in tensors and n[: -len("_scale")] + "_packed" not in tensors:
+            q = _fp8(tensors, n[: -len("_scale")], n)       # compressed-tensors / ModelOpt FP8
         else:
             continue
         out[q.name] = q
@@ -110,17 +114,28 @@ def _need(tensors: dict, name: str, by: str) -> object:
 
 
 def _fp8(tensors: dict, name: str, scale_name: str) -> QuantTensor:
+    """An fp8 weight and its scales: 128x128 tiles (weight_scale_inv, or compressed-tensors' block
+    strategy), one per row ([N, 1] / [N]: the channel strategy) or one for the tensor."""
     w = _need(tensors, name, scale_name)
     s = tensors[scale_name]
+    leaf = scale_name.rsplit(".", 1)[-1]
     if w.dtype != "F8_E4M3" or len(w.shape) != 2:
         raise QuantCheckpointError(f"{_where(w)} has dtype {w.dtype} and shape {list(w.shape)}; a weight with "
-                                   "a weight_scale_inv must be float8_e4m3fn [out, in] (2-D)")
+                                   f"a {leaf} must be float8_e4m3fn [out, in] (2-D)")
     N, K = w.shape
-    want = (-(-N // BLOCK), -(-K // BLOCK))
-    if s.dtype not in _FLOAT_SCALES or tuple(s.shape) != want:
-        raise QuantCheckpointError(f"{_where(s)} has dtype {s.dtype} and shape {list(s.shape)}; the "
-                                   f"[{N}, {K}] weight's 128x128 block scales must be float {list(want)}")
-    return QuantTensor(name, "fp8", (N, K), name, scale_name)
+    blocks = (-(-N // BLOCK), -(-K // BLOCK))
+    shape = tuple(s.shape)
+    if s.dtype in _FLOAT_SCALES:
+        if leaf == "weight_scale" and shape in ((N, 1), (N,)):
+            return QuantTensor(name, "fp8_row", "fp8 per-channel", (N, K), name, scale_name)
+        if shape == blocks:             # before per-tensor: a one-tile weight's [1, 1] reads the same either way
+            return QuantTensor(name, "fp8_block", f"fp8 {leaf} 128x128", (N, K), name, scale_name)
+        if leaf == "weight_scale" and math.prod(shape) == 1 and len(shape) <= 2:
+            return QuantTensor(name, "fp8_row", "fp8 per-tensor", (N, K), name, scale_name, per_tensor=True)
+    want = f"float {list(blocks)} (128x128 blocks)" + (f", [{N}, 1] (per row) or [1] (per tensor)"
+                                                         if leaf == "weight_scale" else "")
+    raise QuantCheckpointError(f"{_where(s)} has dtype {s.dtype} and shape {list(shape)}; the [{N}, {K}] "
+                               f"weight's scales must be {want}")
 
 
 def _nvfp4(tensors: dict, name: str, fmt: str, data_name: str, global_suffix: str) -> QuantTensor:
@@ -141,7 +156,8 @@ def _nvfp4(tensors: dict, name: str, fmt: str, data_name: str, global_suffix: st
     if g.dtype not in _FLOAT_SCALES or math.prod(g.shape) != 1:
         raise QuantCheckpointError(f"{_where(g)} has dtype {g.dtype} and shape {list(g.shape)}; expected "
                                    "one float (the weight's global scale)")
-    return QuantTensor(name, fmt, (N, K), data_name, base + ".weight_scale", base + global_suffix)
+    return QuantTensor(name, "nvfp4", fmt, (N, K), data_name, base + ".weight_scale", base + global_suffix,
+                       divisor=data_name != name)
 
 
 def _tiles(sl: slice | None, n: int, size: int) -> tuple[int, int]:
@@ -159,7 +175,7 @@ def _bounds(sl: slice | None, n: int) -> tuple[int, int]:
 
 def _global(ckpt, q: QuantTensor) -> torch.Tensor:
     g = ckpt.read(q.global_scale).to(torch.float32).reshape(1)
-    divisor = q.fmt == "compressed-tensors"
+    divisor = q.divisor
     if not bool(torch.isfinite(g).all()) or float(g) < 0 or (divisor and float(g) == 0):
         info = ckpt.tensors[q.global_scale]
         raise QuantCheckpointError(f"{_where(info)} is {float(g)!r}; a global scale must be finite and "
@@ -167,14 +183,25 @@ def _global(ckpt, q: QuantTensor) -> torch.Tensor:
     return g
 
 
+def _row_scales(ckpt, q: QuantTensor, r0: int, r1: int) -> torch.Tensor:
+    """fp8_row: the fp32 scales of rows [r0, r1) (one scale repeated for a per-tensor weight)."""
+    if q.per_tensor:
+        return ckpt.read(q.scale).to(torch.float32).reshape(1).expand(r1 - r0).contiguous()
+    return ckpt.read(q.scale, index=(slice(r0, r1),)).to(torch.float32).reshape(r1 - r0).contiguous()
+
+
 def read(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | None = None) -> QuantWeight | None:
     """Rows x cols of `q` as a QuantWeight on the CPU, reading only those bytes; None when the slice
-    does not fall on the format's boundaries (fp8: 128-row / 128-column tiles, the last tile of an
+    does not fall on the format's boundaries (fp8 tiles: 128 rows / 128 columns, the last tile of an
     axis excepted; nvfp4: groups of 16 columns), so its scales would be shared with other ranks."""
     N, K = q.shape
     r0, r1 = _bounds(rows, N)
     c0, c1 = _bounds(cols, K)
-    if q.fmt == "fp8":
+    if q.kind == "fp8_row":
+        data = ckpt.read(q.data, index=(slice(r0, r1), slice(c0, c1)))
+        return QuantWeight("fp8_row", r1 - r0, c1 - c0, data.contiguous().view(torch.uint8),
+                           _row_scales(ckpt, q, r0, r1))
+    if q.kind == "fp8_block":
         if r0 % BLOCK or (r1 % BLOCK and r1 != N) or c0 % BLOCK or (c1 % BLOCK and c1 != K):
             return None
         data = ckpt.read(q.data, index=(slice(r0, r1), slice(c0, c1)))
@@ -186,7 +213,7 @@ def read(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | None = N
     data = ckpt.read(q.data, index=(slice(r0, r1), slice(c0 // 2, c1 // 2)))
     scale = ckpt.read(q.scale, index=(slice(r0, r1), slice(c0 // GROUP, c1 // GROUP)))
     g = _global(ckpt, q)
-    if q.fmt == "compressed-tensors":
+    if q.divisor:
         _check_shape(ckpt, q)
         g = 1.0 / g                     # a divisor on disk, the kernels' multiplier here
     return QuantWeight("nvfp4", r1 - r0, c1 - c0, data.contiguous(), scale.contiguous().view(torch.uint8), g)
@@ -199,7 +226,10 @@ def dequantised(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | N
     N, K = q.shape
     r0, r1 = _bounds(rows, N)
     c0, c1 = _bounds(cols, K)
-    if q.fmt == "fp8":
+    if q.kind == "fp8_row":
+        codes = ckpt.read(q.data, index=(slice(r0, r1), slice(c0, c1)))
+        w = fp8_to_float(codes.contiguous().view(torch.uint8)) * _row_scales(ckpt, q, r0, r1)[:, None]
+    elif q.kind == "fp8_block":
         R0, R1 = _tiles(slice(r0, r1), N, BLOCK)
         C0, C1 = _tiles(slice(c0, c1), K, BLOCK)
         codes = ckpt.read(q.data, index=(slice(R0, R1), slice(C0, C1)))
@@ -214,7 +244,7 @@ def dequantised(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | N
         codes = torch.stack([d & 0xF, d >> 4], dim=-1).reshape(r1 - r0, C1 - C0)     # low nibble first
         w = e2m1_to_float(codes) * fp8_to_float(s).repeat_interleave(GROUP, 1)
         g = _global(ckpt, q)
-        if q.fmt == "compressed-tensors":
+        if q.divisor:
             _check_shape(ckpt, q)
             w = w / g
         else:

@@ -407,16 +407,17 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
 
 def _check_quantisation(ckpt: Checkpoint, spec: ModelSpec, quant: Mapping) -> None:
     """The quantised tensors and the config's quantization_config agree."""
-    from ranks.checkpoint_quant import FORMAT_KIND
+    from ranks.checkpoint_quant import SPEC_KIND
     if quant and spec.quantization is None:
         q = next(iter(quant.values()))
         info = ckpt.tensors[q.data]
         raise CheckpointError(f"{info.file}: tensor {info.key!r} is stored quantised ({q.fmt}) but the config "
                               f"({spec.source}) has no quantization_config")
+    family = {"fp8-block": "fp8", "fp8": "fp8", "nvfp4": "nvfp4"}     # a one-tile weight's scale reads as either fp8
     for q in quant.values():
-        if FORMAT_KIND[q.fmt] != spec.quantization:
+        if spec.quantization != "mixed" and family[SPEC_KIND[q.kind]] != family[spec.quantization]:
             info = ckpt.tensors[q.data]
-            raise CheckpointError(f"{info.file}: tensor {info.key!r} is stored as {FORMAT_KIND[q.fmt]} ({q.fmt}) "
+            raise CheckpointError(f"{info.file}: tensor {info.key!r} is stored as {SPEC_KIND[q.kind]} ({q.fmt}) "
                                   f"but the config's quantization_config ({spec.source}) says {spec.quantization}")
     if spec.quantization and not quant:
         log.warning("%s: the config has a quantization_config (%s) but no tensor is stored quantised; "

@@ -330,15 +330,18 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
     )
 
 
-QUANT_METHODS = ("fp8 (block-scaled, weight_block_size [128, 128])", "modelopt (quant_algo NVFP4)",
-                 "compressed-tensors (format nvfp4-pack-quantized)")
+QUANT_METHODS = ("fp8 (block-scaled, weight_block_size [128, 128])", "modelopt (quant_algo NVFP4 or FP8)",
+                 "compressed-tensors (format nvfp4-pack-quantized, or float-quantized 8-bit float weights with "
+                 "the block, channel or tensor strategy)")
 
 
 def _quantization(qc: Any, source: str) -> str | None:
     """The weight format of a pre-quantised checkpoint from its quantization_config (or the quantization
-    section of ModelOpt's hf_quant_config.json): "fp8-block", "nvfp4", or None when there is none.
+    section of ModelOpt's hf_quant_config.json): "fp8-block" (128x128 scales), "fp8" (a scale per row
+    or per tensor), "nvfp4", "mixed" (compressed-tensors groups of several), or None when there is none.
     ConfigError naming the field for a method or layout tandem cannot load. Which tensors are quantised
-    is read from the checkpoint itself (ranks/checkpoint_quant.py), not from the config's module lists."""
+    (and how) is read from the checkpoint itself (ranks/checkpoint_quant.py), not from the config's
+    module lists."""
     if not qc:
         return None
     f = "quantization_config"
@@ -353,13 +356,15 @@ def _quantization(qc: Any, source: str) -> str | None:
         block = qc.get("weight_block_size")
         if block != [128, 128]:
             raise ConfigError(f"{source}: field '{f}.weight_block_size' is {block!r}; only block-scaled fp8 "
-                              "checkpoints with [128, 128] blocks load (per-tensor or per-channel fp8 do not)")
+                              "checkpoints with [128, 128] blocks load with quant_method 'fp8'")
         return "fp8-block"
     if method == "modelopt":
         section = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
         algo = section.get("quant_algo")
+        if algo == "FP8":
+            return "fp8"
         if algo != "NVFP4":
-            raise ConfigError(f"{source}: field '{f}.quant_algo' is {algo!r}; only ModelOpt 'NVFP4' "
+            raise ConfigError(f"{source}: field '{f}.quant_algo' is {algo!r}; only ModelOpt 'NVFP4' and 'FP8' "
                               f"checkpoints load ({supported})")
         group = section.get("group_size", 16)
         if group != 16:
@@ -367,13 +372,26 @@ def _quantization(qc: Any, source: str) -> str | None:
         return "nvfp4"
     if method == "compressed-tensors":
         groups = qc.get("config_groups")
-        formats = {qc.get("format")} | ({g.get("format") for g in groups.values() if isinstance(g, dict)}
-                                       if isinstance(groups, dict) else set())
-        formats.discard(None)
-        if formats != {"nvfp4-pack-quantized"}:
-            raise ConfigError(f"{source}: field '{f}.format' is {sorted(formats) or None!r}; only "
-                              f"compressed-tensors 'nvfp4-pack-quantized' checkpoints load ({supported})")
-        return "nvfp4"
+        groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+        kinds = set()
+        for g in groups or [{}]:
+            fmt = g.get("format", qc.get("format"))
+            weights = g.get("weights") if isinstance(g.get("weights"), dict) else {}
+            if fmt == "nvfp4-pack-quantized":
+                kinds.add("nvfp4")
+            elif fmt == "float-quantized" and weights.get("num_bits", 8) == 8 and weights.get("type", "float") == "float":
+                strategy = weights.get("strategy", "tensor")
+                if strategy not in ("block", "channel", "tensor"):
+                    raise ConfigError(f"{source}: field '{f}.config_groups.weights.strategy' is {strategy!r}; "
+                                      "8-bit float weights load with the block, channel or tensor strategy")
+                if strategy == "block" and weights.get("block_structure", [128, 128]) != [128, 128]:
+                    raise ConfigError(f"{source}: field '{f}.config_groups.weights.block_structure' is "
+                                      f"{weights.get('block_structure')!r}; only [128, 128] blocks load")
+                kinds.add("fp8-block" if strategy == "block" else "fp8")
+            else:
+                raise ConfigError(f"{source}: field '{f}.format' is {fmt!r}; only compressed-tensors "
+                                  f"'nvfp4-pack-quantized' and 8-bit 'float-quantized' checkpoints load ({supported})")
+        return kinds.pop() if len(kinds) == 1 else "mixed"
     raise ConfigError(f"{source}: field '{f}.quant_method' is {method!r}; {supported}; or a 16-bit checkpoint "
                       "(quantised on load with --weights)")
 

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from kernels.quant import QuantWeight, cat_rows, quantize_fp8_blocks, quantize_nvfp4
+from kernels.quant import QuantWeight, cat_rows, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
 from ranks.model import Batch, HybridModel
 from ranks.sharding import load_shard
 from ranks.weights import Checkpoint, CheckpointError, _disk_items, load_weights, validate, write_checkpoint
@@ -25,9 +25,22 @@ from runtime.config import spec_from_hf
 from tests.util import page_table, random_weights, rel, tiny_config
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-FORMATS = ("fp8", "modelopt", "compressed-tensors")
+FORMATS = ("fp8", "modelopt", "compressed-tensors", "ct-fp8-block", "ct-fp8-channel", "modelopt-fp8")
+KIND = {"fp8": "fp8_block", "ct-fp8-block": "fp8_block", "ct-fp8-channel": "fp8_row", "modelopt-fp8": "fp8_row",
+        "modelopt": "nvfp4", "compressed-tensors": "nvfp4"}
+
+
+def _ct_fp8(strategy: str, **more) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized", "weights": {
+                "num_bits": 8, "type": "float", "strategy": strategy, **more}}}}
+
+
 QCONFIG = {
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "ct-fp8-block": _ct_fp8("block", block_structure=[128, 128]),
+    "ct-fp8-channel": _ct_fp8("channel"),
+    "modelopt-fp8": {"quant_method": "modelopt", "quant_algo": "FP8"},
     "modelopt": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
     "compressed-tensors": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
                            "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "targets": ["Linear"],
@@ -44,7 +57,7 @@ def _quantisable(name: str, t: torch.Tensor, fmt: str) -> bool:
     leaf = name.rsplit(".", 2)[-2]
     if t.dim() != 2 or not name.endswith(".weight") or not ("_proj" in leaf or name == "mtp.fc.weight"):
         return False
-    if fmt == "fp8" and name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+    if fmt != "modelopt" and name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
         return False
     return t.shape[1] % 16 == 0
 
@@ -85,11 +98,23 @@ def quantise(weights: dict[str, torch.Tensor], fmt: str, seed: int) -> tuple[dic
             stored[name] = ref[name] = t
             continue
         base = name[: -len(".weight")]
-        if fmt == "fp8":
+        if fmt in ("fp8", "ct-fp8-block"):
             q = quantize_fp8_blocks(t)
             stored[name] = q.data.view(F8)
-            stored[base + ".weight_scale_inv"] = q.scale
+            stored[base + (".weight_scale_inv" if fmt == "fp8" else ".weight_scale")] = q.scale
             ref[name] = _fp8_ref(stored[name], q.scale).float()
+            continue
+        if fmt == "ct-fp8-channel":
+            q = quantize_fp8_rows(t)
+            stored[name], stored[base + ".weight_scale"] = q.data.view(F8), q.scale[:, None].clone()
+            ref[name] = (stored[name].double() * q.scale.double()[:, None]).float()
+            continue
+        if fmt == "modelopt-fp8":                  # one scale for the tensor, and a static input scale
+            scale = t.abs().max() / 448
+            stored[name] = (t / scale).clamp(-448, 448).to(F8)
+            stored[base + ".weight_scale"] = scale.reshape(())
+            stored[base + ".input_scale"] = torch.tensor(rng.uniform(0.01, 1.0), dtype=torch.float32)
+            ref[name] = (stored[name].double() * scale.double()).float()
             continue
         q = quantize_nvfp4(t, shared.get(name))
         scale = q.scale.view(F8)
@@ -185,7 +210,7 @@ def test_kept_weights_are_quant_weights_equal_to_the_dequantised_slices(tmp_path
                 k = kept[name]
                 if name.endswith(KEPT):
                     assert isinstance(k, QuantWeight), f"{name} (tp {tp}, rank {rank}) was dequantised"
-                    assert k.kind == ("fp8_block" if fmt == "fp8" else "nvfp4")
+                    assert k.kind == KIND[fmt]
                     assert k.shape == tuple(t.shape)
                     assert rel(k.dequantize(torch.float32), t) < 1e-6, name
                     n_kept += 1
@@ -311,10 +336,10 @@ def test_cuda_weight_preparation_keeps_every_weight(tmp_path, fmt, moe, seed):
         else:
             assert torch.equal(got, want.to(torch.bfloat16)), name
     fused = "layers.3.self_attn.qkv_proj.weight"
-    if fmt == "fp8":                          # k_proj's 64 rows are not a whole tile: q, k, v stay apart
+    if KIND[fmt] == "fp8_block":              # k_proj's 64 rows are not a whole tile: q, k, v stay apart
         assert fused not in w and isinstance(w["layers.3.self_attn.k_proj.weight"], QuantWeight)
     else:
-        assert isinstance(w[fused], QuantWeight) and w[fused].kind == "nvfp4"
+        assert isinstance(w[fused], QuantWeight) and w[fused].kind == KIND[fmt]
     if not moe:
         assert isinstance(w["layers.0.mlp.gate_up_proj.weight"], QuantWeight)
 
@@ -347,7 +372,7 @@ BROKEN = {
     "fp8_weight_without_scale": ("fp8", _drop(W + ".weight_scale_inv"), W + ".weight", "dtype F8_E4M3"),
     "fp8_scale_without_weight": ("fp8", _drop(W + ".weight"), W + ".weight_scale_inv", "not in the checkpoint"),
     "fp8_scale_wrong_shape": ("fp8", _put(W + ".weight_scale_inv", torch.ones(2, 2)), W + ".weight_scale_inv",
-                              "block scales"),
+                              "128x128 blocks"),
     "fp8_weight_not_fp8": ("fp8", lambda s: s.__setitem__(W + ".weight", s[W + ".weight"].view(torch.uint8)),
                            W + ".weight", "float8_e4m3fn"),
     "modelopt_without_weight_scale": ("modelopt", _drop(W + ".weight_scale"), W + ".weight_scale_2",

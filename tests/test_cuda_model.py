@@ -352,7 +352,7 @@ def _teacher_forced_chunks(spec, model, ref, ref16, label: str, allowed: int, se
     _check_prefill_and_decode(outs, want, want16, f"{label} prefill", f"{label} decode", allowed=allowed)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("fmt", ["fp8", "modelopt", "compressed-tensors", "ct-fp8-channel", "modelopt-fp8"])
 @pytest.mark.parametrize("name", ["tiny-dense", "small"])
 def test_pre_quantised_checkpoint_teacher_forced_logits_match_the_float32_reference(tmp_path, name, fmt, seed):
     """A pre-quantised checkpoint (FP8 block-scaled, ModelOpt / compressed-tensors NVFP4) loaded for the
@@ -361,7 +361,7 @@ def test_pre_quantised_checkpoint_teacher_forced_logits_match_the_float32_refere
     from kernels.quant import QuantWeight
     from ranks.model_cuda import CudaHybridModel
     from ranks.weights import Checkpoint, load_weights
-    from tests.test_checkpoint_quant import write_quantised
+    from tests.test_checkpoint_quant import KIND, write_quantised
 
     cfg = tiny_config_for(name)
     spec, _ = write_quantised(str(tmp_path), cfg, fmt, seed)
@@ -369,11 +369,11 @@ def test_pre_quantised_checkpoint_teacher_forced_logits_match_the_float32_refere
     wq = load_weights(Checkpoint(tmp_path), spec, dtype=torch.bfloat16, device="cuda", keep_quantised=True)
     model = CudaHybridModel(spec, wq)
     kinds = {q.kind for q in model.w.values() if isinstance(q, QuantWeight)}
-    assert kinds == {"fp8_block" if fmt == "fp8" else "nvfp4"}
+    assert kinds == {KIND[fmt]}
     assert isinstance(model.w["layers.0.mlp.gate_up_proj.weight"], QuantWeight)
     ref = HybridModel(spec, w32)
     ref16 = HybridModel(spec, {k: v.to(torch.bfloat16) for k, v in w32.items()})
-    allowed = (2 if fmt != "fp8" else 1) if name == "tiny-dense" else 0
+    allowed = (2 if KIND[fmt] == "nvfp4" else 1) if name == "tiny-dense" else 0
     _teacher_forced_chunks(spec, model, ref, ref16, f"{name} {fmt} checkpoint", allowed, seed)
 
 
