@@ -93,6 +93,24 @@ class ModelState:
         self.recurrent = [torch.zeros(num_slots, s.value_heads, s.key_head_dim, s.value_head_dim,
                                       dtype=state_dtype, device=device) for _ in range(n_gdn)]
 
+        self.snap_conv: list[torch.Tensor] = []      # prefix-cache snapshots (reserve_snapshots)
+        self.snap_recurrent: list[torch.Tensor] = []
+
+    def reserve_snapshots(self, n: int) -> None:
+        """n snapshot slots of GDN state (every layer's conv window and recurrent state), for the
+        prefix cache (runtime/prefix_cache.py): save_snapshot / load_snapshot copy a slot out and in."""
+        self.snap_conv = [torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in self.conv]
+        self.snap_recurrent = [torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+                               for t in self.recurrent]
+
+    def save_snapshot(self, slot: int, snap: int) -> None:
+        for dst, src in zip(self.snap_conv + self.snap_recurrent, self.conv + self.recurrent):
+            dst[snap].copy_(src[slot])
+
+    def load_snapshot(self, snap: int, slot: int) -> None:
+        for dst, src in zip(self.conv + self.recurrent, self.snap_conv + self.snap_recurrent):
+            dst[slot].copy_(src[snap])
+
     def attention_kv(self, j: int | None) -> tuple:
         """(k_pool, v_pool, k_scale, v_scale) of the j-th full-attention layer (j None: the MTP
         layer); the scales are None unless the KV is int8."""
@@ -106,4 +124,5 @@ class ModelState:
         ts = self.k + self.v + self.conv + self.recurrent + [t for t in (self.mtp_k, self.mtp_v) if t is not None]
         ts += (self.k_scale or []) + (self.v_scale or [])
         ts += [t for t in (self.mtp_k_scale, self.mtp_v_scale) if t is not None]
+        ts += self.snap_conv + self.snap_recurrent
         return sum(t.numel() * t.element_size() for t in ts)

@@ -99,6 +99,8 @@ class Worker:
             self.model = HybridModel(self.spec, weights, tp=self.tp, all_reduce=self.mailbox.all_reduce)
         self.kv_dtype = opts.get("kv_dtype", "bf16")
         self.state: ModelState = self.model.new_state(hello.num_slots, hello.num_pages, kv_dtype=self.kv_dtype)
+        if int(opts.get("prefix_snapshots", 0) or 0):
+            self.state.reserve_snapshots(int(opts["prefix_snapshots"]))
         self.samplers: dict[int, SeqSampler] = {}
         self.masked: list[int] = []          # sequences whose sampler holds a grammar mask (_set_masks)
         self.last_sampled: dict[int, int] = {}            # per sequence, its token sampled last (steps planned ahead)
@@ -193,13 +195,15 @@ class Worker:
         planned ahead, feeds those tokens (LAST_SAMPLED), its inputs are taken from the device and
         it is launched before this one's tokens reach the host; the pending step is finished after
         that launch, so the GPU runs the two back to back. `flush` finishes a pending step."""
+        for snap, slot in plan.snapshot_loads:          # prefix cache: before anything reads the slots
+            self.state.load_snapshot(int(snap), int(slot))
         if self.spec_k:
             done = self.flush()
             r = self.spec_step(plan)
+            self._save_snapshots(plan)
             return done + ([r] if r is not None else [])
         t0 = time.perf_counter()
-        for sid, fields in plan.new_sampling.items():
-            self.samplers[int(sid)] = SeqSampler(**fields)
+        self._new_samplers(plan)
         self._set_masks(plan)
         seq_ids = plan.seq_ids.tolist()
         columns, starts = plan.columns.tolist(), plan.starts.tolist()
@@ -223,6 +227,7 @@ class Worker:
         else:                                           # the CPU runs nothing ahead: patch the inputs
             batch_tokens.index_copy_(0, feed[0], feed[1])
             out = self.model.forward(batch, self.state, logits="last")
+        self._save_snapshots(plan)                      # after the forward, on its stream
         if self.profiler is not None:
             self.profiler.mark("launched")
         if feed is not None:                            # the previous step's tokens, while this one runs
@@ -261,6 +266,18 @@ class Worker:
             self.profiler.mark("sampled")
         result = self._finish_step(plan, seq_ids, rows, sampled, t0, feed is not None, logprobs, prompt_lp)
         return done + ([result] if result is not None else [])
+
+    def _new_samplers(self, plan: msg.StepPlan) -> None:
+        """Samplers of the sequences admitted in this plan; one started on a cached prefix counts the
+        cached prompt tokens (plan.prompt_tokens) as if they had been fed."""
+        for sid, fields in plan.new_sampling.items():
+            self.samplers[int(sid)] = SeqSampler(**fields)
+        for sid, ids in plan.prompt_tokens.items():
+            self.samplers[int(sid)].observe(np.asarray(ids).tolist(), 0)
+
+    def _save_snapshots(self, plan: msg.StepPlan) -> None:
+        for slot, snap in plan.snapshot_saves:
+            self.state.save_snapshot(int(slot), int(snap))
 
     def _set_masks(self, plan: msg.StepPlan) -> None:
         """Structured outputs: each constrained sequence's allowed ids for the token it samples in this
@@ -406,8 +423,7 @@ class Worker:
         """A step with MTP speculation: verify each sequence's draft columns, commit the GDN state at
         the accepted length, then draft K tokens for the next round with the MTP layer."""
         t0 = time.perf_counter()
-        for sid, fields in plan.new_sampling.items():
-            self.samplers[int(sid)] = SeqSampler(**fields)
+        self._new_samplers(plan)
         self._set_masks(plan)
         for sid, ids in plan.spec_stops.items():
             self.stops[int(sid)] = frozenset(int(t) for t in ids)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+
 import zmq
 
 from runtime.config import PAGE_SIZE, load_spec
@@ -69,7 +70,8 @@ class Coordinator:
             max_concurrency=options.max_concurrency, max_pending=options.max_pending,
             pending_timeout_s=options.pending_timeout_s, prefill_chunk=chunk,
             max_step_tokens=step, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context,
-            spec_draft_tokens=options.spec_draft_tokens)
+            spec_draft_tokens=options.spec_draft_tokens,
+            prefix_cache=options.max_concurrency if options.prefix_cache is None else options.prefix_cache)
         self.scheduler = Scheduler(self.config)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, object] = {}
@@ -168,6 +170,7 @@ class Coordinator:
                         options=dict(mailbox_timeout_s=self.options.mailbox_timeout_s,
                                      threads_per_rank=self._threads_per_rank,
                                      spec_draft_tokens=self.options.spec_draft_tokens,
+                                     prefix_snapshots=self.config.prefix_cache,
                                      spec_draft_vocab=self.options.spec_draft_vocab,
                                      backend=self.options.backend, weights=self.options.weights,
                                      kv_dtype=self.options.kv_dtype,
@@ -303,6 +306,9 @@ class Coordinator:
             out["step_time"] = dict(self.step_time)
             if self.ready:
                 out["ranks"] = {r: dict(m.runtime, pid=m.pid) for r, m in sorted(self.ready.items())}
+            if self.scheduler.cache is not None:
+                out["prefix_cache"] = dict(self.scheduler.cache_stats, entries=len(self.scheduler.cache.entries),
+                                           capacity=self.scheduler.cache.capacity)
             sc = self.scheduler.spec_totals
             if sc is not None:
                 out["spec"] = dict(sc, draft_tokens=self.options.spec_draft_tokens,
@@ -429,8 +435,11 @@ class Coordinator:
                 m = s.constraint.mask()
                 if m is not None:
                     masks[s.id] = m
+        # a sequence started on a cached prefix: its samplers count the cached prompt tokens (penalties)
+        cached = {s.id: s.prompt[:s.cached_tokens] for s in plan.new if s.cached_tokens and s.params.has_penalties}
         step = msg.StepPlan(step=plan.step, new_sampling=new_sampling, finished=plan.released, spec_stops=spec_stops,
-                            prompt_next=prompt_next, masks=masks,
+                            prompt_next=prompt_next, masks=masks, prompt_tokens=cached,
+                            snapshot_loads=[list(x) for x in plan.loads], snapshot_saves=[list(x) for x in plan.saves],
                             **arrays)
         frames = step.to_frames()
         for r in range(self.tp):
@@ -545,6 +554,8 @@ class Coordinator:
         self.seqs.pop(s.id, None)
         now = time.monotonic()
         usage = dict(prompt_tokens=len(s.prompt), completion_tokens=len(s.output))
+        if s.cached_tokens:
+            usage["cached_tokens"] = s.cached_tokens          # prompt tokens taken from the prefix cache
         timings = dict(queue_s=(s.admitted_at - s.submitted_at) if s.admitted_at else None,
                        ttft_s=(s.first_token_at - s.submitted_at) if s.first_token_at else None,
                        total_s=now - s.submitted_at)

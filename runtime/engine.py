@@ -67,6 +67,8 @@ class EngineOptions:
     log_level: str = "WARNING"
     spec_draft_tokens: int = 0           # MTP speculation: drafts per round, 1..5 (0 = off, the default)
     spec_draft_vocab: int = 0            # drafts only among token ids below this (a reduced proposal head; 0 = all)
+    prefix_cache: int | None = None      # prompt-prefix cache entries (runtime/prefix_cache.py; one GDN state
+                                         # snapshot each on every rank); None: max_concurrency; 0: off
     backend: str = "auto"                # "auto" (CUDA kernels for bfloat16 on cuda), "cuda", "reference"
     weights: str = "bf16"                # weight format on the device: bf16 | fp8 | fp8-block | nvfp4
     kv_dtype: str = "bf16"               # KV cache: bf16 (the activation dtype) | int8 (+ fp32 scale per 64 channels)
@@ -85,6 +87,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.spec_draft_tokens <= 5:
             raise ValueError(f"spec_draft_tokens must be 0 (off) or 1..5, got {self.spec_draft_tokens}")
+        if self.prefix_cache is not None and self.prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.spec_draft_vocab < 0:
             raise ValueError(f"spec_draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.spec_draft_vocab}")
         if self.backend not in ("auto", "cuda", "reference"):

@@ -81,6 +81,11 @@ class SamplingParams:
                self.thinking_close_ids, "non-empty when thinking_budget is set")
 
     @property
+    def has_penalties(self) -> bool:
+        """Presence, frequency or repetition penalties (the samplers count every token they see)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.config import PAGE_SIZE
+from runtime.prefix_cache import PrefixCache
 from runtime.sequence import Sequence, Status, new_spec_stats, record_round
 
 
@@ -42,11 +43,14 @@ class SchedulerConfig:
     kv_pages: int = 1024              # pages in the pool (each PAGE_SIZE tokens)
     max_context: int = 8192           # prompt + output tokens per sequence
     spec_draft_tokens: int = 0        # MTP speculation: drafts per round (0 = off)
+    prefix_cache: int = 0             # prompt-prefix cache entries (GDN snapshot slots on the ranks; 0 = off)
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_pending", "prefill_chunk", "max_step_tokens", "kv_pages", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.max_step_tokens < self.max_concurrency:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_concurrency "
                              f"({self.max_concurrency}) so every running sequence can decode each step")
@@ -65,6 +69,10 @@ class Plan:
     # a step planned ahead (Scheduler.plan_ahead): each sequence's position, and its token is the one
     # the ranks sampled for it in the step before (token id -1 in the message)
     starts: list[int] | None = None
+    # prefix cache (runtime/prefix_cache.py): GDN snapshot slot -> state slot copies before the step
+    # (sequences admitted on a cached prefix), state slot -> snapshot slot copies after it (frontiers)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
     def to_arrays(self, max_pages: int) -> dict[str, np.ndarray]:
         B = len(self.seqs)
@@ -107,6 +115,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_concurrency - 1, -1, -1))
         self.free_pages = list(range(config.kv_pages - 1, -1, -1))
+        self.refs = [0] * config.kv_pages           # holders of each page: sequences and cache entries
+        self.cache = PrefixCache(config.prefix_cache) if config.prefix_cache else None
+        self.cache_stats = dict(queries=0, hits=0, saved=0, evicted=0)    # prompt tokens looked up / found
         self.released: list[int] = []
         self.step = 0
         # speculation statistics over all requests (None when speculation is off)
@@ -154,7 +165,9 @@ class Scheduler:
 
     def schedule(self) -> Plan | None:
         """Admit what fits, then plan one step (None when there is nothing to run)."""
-        new = self._admit()
+        loads: list[tuple[int, int]] = []
+        saves: list[tuple[int, int]] = []
+        new = self._admit(loads)
         budget = self.config.max_step_tokens
         seqs, columns, sample = [], [], []
         K = self.config.spec_draft_tokens
@@ -177,17 +190,22 @@ class Scheduler:
         for s in self.running:                          # then prefill chunks, oldest first
             if s.prefilling and budget > 0:
                 n = min(self.config.prefill_chunk, len(s.prompt) - s.computed, budget)
+                if s.save_at is not None and s.computed < s.save_at < s.computed + n:
+                    n = s.save_at - s.computed          # the chunk ends on the prefix cache's frontier
                 seqs.append(s), columns.append(n), sample.append(s.computed + n == len(s.prompt))
                 if drafts is not None:
                     drafts.append(0)
                 budget -= n
+                if s.save_at is not None and s.computed + n == s.save_at:
+                    self._save(s, saves)
         released, self.released = self.released, []
         if not seqs:
             if released:
                 self.released = released
             return None
         self.step += 1
-        return Plan(self.step, seqs, columns, sample, new=new, released=released, drafts=drafts)
+        return Plan(self.step, seqs, columns, sample, new=new, released=released, drafts=drafts,
+                    loads=loads, saves=saves)
 
     def plan_ahead(self, inflight: Plan) -> Plan | None:
         """The decode step after `inflight`, planned before its result is back, so that the ranks find
@@ -275,30 +293,107 @@ class Scheduler:
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, loads: list[tuple[int, int]]) -> list[Sequence]:
         new = []
         while self.waiting and self.free_slots:
             s = self.waiting[0]
-            need = self.pages_for(s)
+            hit = self._lookup(s)
+            shared = hit.pages if hit is not None else []
+            need = self.pages_for(s) - len(shared)
+            if need > len(self.free_pages):
+                self._evict_for(need, keep=hit)
             if need > len(self.free_pages):
                 break                                   # arrival order: no overtaking
             self.waiting.popleft()
             s.slot = self.free_slots.pop()
-            s.pages = [self.free_pages.pop() for _ in range(need)]
+            for p in shared:
+                self.refs[p] += 1
+            s.pages = shared + self._take(need)
             s.status, s.admitted_at = Status.RUNNING, time.monotonic()
+            if hit is not None:                         # prefill from the frontier, on the entry's state
+                s.computed = s.cached_tokens = hit.frontier
+                self.cache.touch(hit, hit=True)
+                self.cache_stats["hits"] += hit.frontier
+                loads.append((hit.snap, s.slot))
+            if self.cache is not None:
+                f = self.cache.frontier(len(s.prompt))
+                s.save_at = f if f > s.computed and self.cache.find(s.prompt[:f + 1]) is None else None
             self.running.append(s)
             new.append(s)
         return new
+
+    def _lookup(self, s: Sequence):
+        """The cache entry `s` may start from (None without a cache, for prompt_logprobs, on a miss);
+        counts the lookup once per request."""
+        if self.cache is None or s.params.prompt_logprobs is not None:
+            return None
+        if not s.cache_counted:
+            s.cache_counted = True
+            self.cache_stats["queries"] += len(s.prompt)
+        return self.cache.lookup(s.prompt)
+
+    def _save(self, s: Sequence, saves: list[tuple[int, int]]) -> None:
+        """Leave an entry at s.save_at: its pages and, after this step, a snapshot of its slot."""
+        f, s.save_at = s.save_at, None
+        tokens = s.prompt[:f + 1]
+        if self.cache.find(tokens) is not None:        # the same prefix saved meanwhile
+            return
+        if not self.cache.free_snaps:
+            victim = self.cache.lru()
+            if victim is None:
+                return
+            self._evict(victim)
+        snap = self.cache.free_snaps.pop()
+        pages = s.pages[:f // PAGE_SIZE]
+        for p in pages:
+            self.refs[p] += 1
+        self.cache.add(f, tokens, pages, snap)
+        self.cache_stats["saved"] += 1
+        saves.append((s.slot, snap))
+
+    def _evict(self, e) -> None:
+        self.cache.remove(e)
+        self._drop(reversed(e.pages))
+        self.cache_stats["evicted"] += 1
+
+    def _evict_for(self, need: int, keep=None) -> None:
+        """Evict least recently used entries (never `keep`) until `need` pages are free or none is left."""
+        while self.cache is not None and need > len(self.free_pages):
+            victim = self.cache.lru(keep)
+            if victim is None:
+                return
+            self._evict(victim)
+
+    def _take(self, n: int) -> list[int]:
+        pages = [self.free_pages.pop() for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def _drop(self, pages) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_pages.append(p)
 
     def _release(self, s: Sequence) -> None:
         if s in self.running:
             self.running.remove(s)
             self.free_slots.append(s.slot)
-            self.free_pages.extend(reversed(s.pages))
+            self._drop(reversed(s.pages))
             self.released.append(s.id)
-        s.slot, s.pages = -1, []
+        s.slot, s.pages, s.save_at = -1, [], None
 
     def usage(self) -> dict[str, int]:
-        return dict(running=len(self.running), waiting=len(self.waiting),
-                    slots_used=self.config.max_concurrency - len(self.free_slots),
-                    pages_used=self.config.kv_pages - len(self.free_pages), pages_total=self.config.kv_pages)
+        """pages_used: pages the running sequences hold; with the prefix cache, pages_cached: pages only
+        cache entries hold (given back to admission when it needs them); the rest are free."""
+        cached = 0
+        if self.cache is not None:
+            held = {p for s in self.running for p in s.pages}
+            cached = len({p for e in self.cache.entries for p in e.pages} - held)
+        out = dict(running=len(self.running), waiting=len(self.waiting),
+                   slots_used=self.config.max_concurrency - len(self.free_slots),
+                   pages_used=self.config.kv_pages - len(self.free_pages) - cached, pages_total=self.config.kv_pages)
+        if self.cache is not None:
+            out.update(pages_cached=cached, prefix_entries=len(self.cache.entries))
+        return out

@@ -51,6 +51,11 @@ class Sequence:
     new_prompt_logprobs: list | None = None
     # params.grammar set: the parser that gives each sampled token's allowed ids (runtime.grammar.Constraint)
     constraint: Any = None
+    # prefix cache (runtime/prefix_cache.py): prompt tokens taken from an entry (not computed), the
+    # frontier where this sequence leaves an entry (None: none), whether its lookup was counted
+    cached_tokens: int = 0
+    save_at: int | None = None
+    cache_counted: bool = False
 
     def __post_init__(self) -> None:
         self.thinking = self.params.thinking_budget is not None

@@ -40,6 +40,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -169,6 +180,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--kv-capacity", type=_positive_int, default=None,
                    help="tokens of KV in the pool (default: room for max-concurrency sequences of max-context tokens, "
                         "in whole pages of 64, plus speculation's slack)")
+    s.add_argument("--prefix-cache", type=_count, default=None, metavar="N",
+                   help="prompt-prefix cache entries: a request whose prompt begins with an earlier one's prefills "
+                        "only the rest (one GDN state snapshot per entry on every rank; its KV pages stay in the "
+                        "pool until evicted); 0 turns it off (default: max-concurrency)")
     s.add_argument("--threads-per-rank", type=_positive_int, default=None,
                    help="torch threads per rank process (default 1)")
     s.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",

@@ -96,7 +96,8 @@ class Metrics:
         return "other"
 
     def request_finished(self, api: str, client: str | None, status: int, prompt_tokens: int,
-                         completion_tokens: int, ttft_s: float | None, e2e_s: float | None) -> None:
+                         completion_tokens: int, ttft_s: float | None, e2e_s: float | None,
+                         cached_tokens: int = 0) -> None:
         m = self.model_name
         self.requests.labels(api, self._client(client), str(status)).inc()
         if status == 499:
@@ -105,6 +106,7 @@ class Metrics:
         if status == 200:
             self.prompt_tokens.labels(m).inc(prompt_tokens)
             self.prefix_queries.labels(m).inc(prompt_tokens)
+            self.prefix_hits.labels(m).inc(cached_tokens)
         if ttft_s is not None:
             self.ttft.labels(m).observe(ttft_s)
         if e2e_s is not None:
@@ -160,6 +162,10 @@ class _EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0..1)", used / total if total else 0.0)
         yield gauge("tandem_kv_pages_used", "KV pages in use", used)
         yield gauge("tandem_kv_pages_total", "KV pages in the pool", total)
+        if "pages_cached" in stats:
+            yield gauge("tandem_kv_pages_cached", "KV pages only prefix-cache entries hold (reclaimable)",
+                        stats["pages_cached"])
+            yield gauge("tandem_prefix_cache_entries", "Prompt-prefix cache entries", stats.get("prefix_entries", 0))
         yield gauge("tandem_slots_used", "Sequence state slots in use", stats.get("slots_used", 0))
         yield gauge("tandem_engine_healthy", "1 while the engine serves", 1.0 if stats.get("healthy") else 0.0)
         yield gauge("tandem_http_requests_in_flight", "Generation requests the frontend is running",

@@ -657,7 +657,7 @@ class Service:
         if self.metrics is not None:
             u, t = finish.usage, finish.timings
             self.metrics.request_finished(who["api"], who["client"], 200, u["prompt_tokens"], u["completion_tokens"],
-                                          t.get("ttft_s"), t.get("e2e_s"))
+                                          t.get("ttft_s"), t.get("e2e_s"), u.get("cached_tokens", 0) or 0)
             if finish.spec:
                 self.metrics.spec_finished(finish.spec)
         if self.request_log is not None:

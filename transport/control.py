@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 6     # 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 7     # 7: prefix cache (StepPlan.snapshot_loads / snapshot_saves); 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -159,7 +159,7 @@ class StepPlan(Message):
     token_ids: np.ndarray
     sample: np.ndarray
     new_sampling: dict = field(default_factory=dict)
-    prompt_tokens: dict = field(default_factory=dict)   # seq_id -> int32 array of prompt ids (penalties)
+    prompt_tokens: dict = field(default_factory=dict)   # seq_id -> [prompt ids] (penalties; see below)
     finished: list = field(default_factory=list)
     # speculation only (None when off):
     drafts: np.ndarray | None = None      # [B] how many of the sequence's last columns are drafts
@@ -174,6 +174,12 @@ class StepPlan(Message):
     # structured outputs: seq_id -> the bitmask of ids its token of this step may take (bytes, bit i of
     # byte i // 8 = id i; runtime.grammar), for constrained sequences that sample in the step
     masks: dict = field(default_factory=dict)
+    # prefix cache (runtime/prefix_cache.py): [[snapshot, slot]] copies of GDN state into slots before
+    # the step (sequences admitted on a cached prefix), [[slot, snapshot]] copies out after it (a
+    # prefill chunk that ended on a frontier); prompt_tokens then holds the cached prompt ids of
+    # restored sequences with penalties (their samplers count them as if fed)
+    snapshot_loads: list = field(default_factory=list)
+    snapshot_saves: list = field(default_factory=list)
 
 
 @dataclass

@@ -1,0 +1,314 @@
+"""The prompt-prefix cache (runtime/prefix_cache.py, the scheduler's pages and snapshots, the ranks'
+snapshot copies).
+
+Three levels: the model (a float64 prefill resumed from a GDN snapshot on shared KV pages equals the
+whole prefill to 1e-12); the scheduler against a symbolic model of the ranks (each state slot and
+snapshot slot holds the token prefix it summarises, each KV page the tokens written to it: every
+step must read exactly its own sequence's tokens, through any sharing, eviction and cancellation);
+and the engine (greedy and penalised sampled ids equal the float32 reference's at tp 1 and 2, with
+MTP speculation and with int8 KV, with `cached_tokens` as the entry rules predict).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from ranks.model import Batch, HybridModel
+from runtime.config import PAGE_SIZE, spec_from_hf
+from runtime.prefix_cache import CACHE_MARGIN, PrefixCache
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import Sequence
+from tests.util import random_weights, rel, tiny_config, write_tiny_checkpoint
+
+
+def _frontier(n: int) -> int:
+    """The rule, restated: the last page boundary at least CACHE_MARGIN tokens before the end."""
+    f = (n - 1 - CACHE_MARGIN) // PAGE_SIZE * PAGE_SIZE
+    return f if f > 0 else 0
+
+
+def test_frontier_rule():
+    for n in range(1, 400):
+        f = PrefixCache.frontier(n)
+        assert f == _frontier(n) and f % PAGE_SIZE == 0 and (f == 0 or f + CACHE_MARGIN + 1 <= n)
+
+
+# ---- the model: a resumed prefill equals the whole one ---------------------------------------------
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_prefill_resumed_from_a_snapshot_equals_the_whole_prefill(moe, seed):
+    """Sequence A prefills to a frontier F, its slot is saved to a snapshot; B (A's first F tokens, then
+    its own) loads the snapshot into another slot, shares A's pages [0, F) and prefills from F. Its
+    logits equal B's whole prefill on a fresh state, in float64."""
+    spec = spec_from_hf(tiny_config(moe))
+    model = HybridModel(spec, random_weights(spec, seed, dtype=torch.float64))
+    g = torch.Generator().manual_seed(seed)
+    F = 2 * PAGE_SIZE
+    a = torch.randint(0, spec.vocab_size, (F + 40,), generator=g)
+    b = torch.cat([a[:F], torch.randint(0, spec.vocab_size, (70,), generator=g)])
+    state = model.new_state(num_slots=2, num_pages=8)
+    state.reserve_snapshots(1)
+    # slot 1 holds garbage first: the load must replace all of it
+    for t in state.conv + state.recurrent:
+        t[1].normal_(generator=g)
+    ta = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    model.forward(Batch(a[:90], [90], [0], [0], ta), state, logits="none")
+    model.forward(Batch(a[90:F], [F - 90], [90], [0], ta), state, logits="none")
+    state.save_snapshot(0, 0)
+    model.forward(Batch(a[F:], [40], [F], [0], ta), state, logits="none")     # A goes on past F
+    state.load_snapshot(0, 1)
+    tb = torch.tensor([[0, 1, 4, 5]], dtype=torch.int32)                     # A's pages of [0, F), then its own
+    got = model.forward(Batch(b[F:], [70], [F], [1], tb), state, logits="all").logits
+    fresh = model.new_state(num_slots=1, num_pages=4)
+    want = model.forward(Batch(b, [len(b)], [0], [0], torch.arange(4, dtype=torch.int32)[None]), fresh,
+                         logits="all").logits[F:]
+    assert rel(got, want) < 1e-12
+
+
+# ---- the scheduler against a symbolic model of the ranks -----------------------------------------
+
+class SymbolicRanks:
+    """What the ranks hold, as tokens: slot and snapshot contents are the token prefixes their GDN
+    state summarises; KV pages map positions to the token written there."""
+
+    def __init__(self, slots: int, snaps: int, pages: int):
+        self.slot: list[tuple] = [("garbage",)] * slots
+        self.snap: list[tuple] = [("garbage",)] * snaps
+        self.kv: list[dict] = [dict() for _ in range(pages)]
+
+    def run(self, plan) -> None:
+        for snap, slot in plan.loads:
+            self.slot[slot] = self.snap[snap]
+        for s, c, start in zip(plan.seqs, plan.columns, [s.computed for s in plan.seqs]):
+            want = tuple(s.token(i) for i in range(start))
+            prefix = () if start == 0 else self.slot[s.slot]
+            assert prefix == want, f"seq {s.id}: its slot summarises {len(prefix)} other tokens at {start}"
+            fed = tuple(s.token(i) for i in range(start, start + c))
+            self.slot[s.slot] = want + fed
+            for pos in range(start, start + c):
+                self.kv[s.pages[pos // PAGE_SIZE]][pos % PAGE_SIZE] = s.token(pos)
+            for pos in range(start + c):                     # every key the step's queries read
+                assert self.kv[s.pages[pos // PAGE_SIZE]].get(pos % PAGE_SIZE) == s.token(pos), \
+                    f"seq {s.id}: KV at position {pos} is not its token"
+        for slot, snap in plan.saves:
+            self.snap[snap] = self.slot[slot]
+
+
+def _check_pages(sch: Scheduler) -> None:
+    held = [0] * sch.config.kv_pages
+    for s in sch.running:
+        for p in s.pages:
+            held[p] += 1
+    for e in sch.cache.entries:
+        assert len(e.pages) == e.frontier // PAGE_SIZE and len(e.tokens) == e.frontier + 1
+        for p in e.pages:
+            held[p] += 1
+    assert held == sch.refs
+    assert sorted(sch.free_pages) == [p for p in range(sch.config.kv_pages) if held[p] == 0]
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_scheduler_pages_and_snapshots_against_symbolic_ranks(trial, seed):
+    """Conversations that grow, branch and repeat, with cancellations and a pool and cache small
+    enough to evict: every step reads its own tokens, every page is held exactly as counted, and the
+    hits are the ones the entry rules allow."""
+    rng = random.Random(seed + trial)
+    K = rng.choice([0, 2])
+    cfg = SchedulerConfig(max_concurrency=3, max_pending=64, prefill_chunk=rng.choice([48, 100]), max_step_tokens=160,
+                          kv_pages=rng.choice([12, 20]), max_context=600, spec_draft_tokens=K,
+                          prefix_cache=rng.choice([1, 2, 4]))
+    sch = Scheduler(cfg)
+    ranks = SymbolicRanks(cfg.max_concurrency, cfg.prefix_cache, cfg.kv_pages)
+    roots = [[rng.randrange(50) for _ in range(rng.randint(60, 300))] for _ in range(3)]
+    sent: list[list[int]] = []
+    ids, hits = iter(range(1, 10**6)), 0
+    for step in range(600):
+        if step >= 200 and hits >= 3:
+            break
+        if len(sch.waiting) < 4 and rng.random() < 0.5:
+            if sent and rng.random() < 0.5:            # a follow-up: an earlier prompt, extended
+                prompt = rng.choice(sent) + [rng.randrange(50) for _ in range(rng.randint(1, 60))]
+            else:                                     # a branch of a root
+                root = rng.choice(roots)
+                prompt = root[:rng.randint(1, len(root))] + [rng.randrange(50) for _ in range(rng.randint(0, 40))]
+            sent.append(prompt)
+            p = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 60), ignore_eos=True)
+            s = Sequence(next(ids), prompt, p, seed=0, max_new_tokens=min(p.max_new_tokens, 600 - len(prompt)),
+                         stop_ids=frozenset())
+            if s.max_new_tokens > 0 and sch.pages_for(s) <= cfg.kv_pages:
+                sch.add(s)
+        plan = sch.schedule()
+        if plan is None:
+            continue
+        for s in plan.new:
+            if s.cached_tokens:              # (its entry may already be evicted: the load comes first)
+                hits += 1
+                assert s.cached_tokens % PAGE_SIZE == 0 and len(s.prompt) >= s.cached_tokens + 2
+                assert [slot for _, slot in plan.loads].count(s.slot) == 1
+        ranks.run(plan)
+        sampled = {s.id: rng.randrange(50) for s, smp in zip(plan.seqs, plan.sample) if smp}
+        sch.commit(plan, sampled)
+        for s in [s for s in sch.running if rng.random() < 0.03]:
+            sch.cancel(s)
+        _check_pages(sch)
+    assert hits > 0, "the trial made no cache hit: it tested nothing of the cache"
+
+
+def test_a_prefill_chunk_is_cut_at_the_frontier_and_saved_after_it():
+    sch = Scheduler(SchedulerConfig(max_concurrency=2, prefill_chunk=100, max_step_tokens=200, kv_pages=20,
+                                    max_context=1000, prefix_cache=2))
+    p = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    prompt = list(range(1, 300))                      # frontier (299 - 9) // 64 * 64 = 256
+    s = Sequence(1, prompt, p, seed=0, max_new_tokens=4, stop_ids=frozenset())
+    sch.add(s)
+    cols = []
+    for _ in range(3):
+        plan = sch.schedule()
+        cols.append((plan.columns[0], plan.saves))
+        sch.commit(plan, {})
+    assert cols == [(100, []), (100, []), (56, [(s.slot, 0)])]
+    assert [e.frontier for e in sch.cache.entries] == [256]
+    plan = sch.schedule()
+    assert plan.columns == [43] and plan.sample == [True]
+
+
+def test_prompt_logprobs_requests_take_no_hit():
+    sch = Scheduler(SchedulerConfig(max_concurrency=3, prefill_chunk=512, max_step_tokens=600, kv_pages=40,
+                                    max_context=1000, prefix_cache=2))
+    prompt = list(range(1, 200))
+    a = Sequence(1, prompt, SamplingParams(temperature=0.0, max_new_tokens=2), seed=0, max_new_tokens=2,
+                 stop_ids=frozenset())
+    sch.add(a)
+    while a.prefilling:
+        sch.commit(sch.schedule(), {})
+    b = Sequence(2, prompt + [7, 8], SamplingParams(temperature=0.0, max_new_tokens=2, prompt_logprobs=0), seed=0,
+                 max_new_tokens=2, stop_ids=frozenset())
+    c = Sequence(3, prompt + [7, 8], SamplingParams(temperature=0.0, max_new_tokens=2), seed=0, max_new_tokens=2,
+                 stop_ids=frozenset())
+    sch.add(b)
+    sch.add(c)
+    plan = sch.schedule()
+    assert b.cached_tokens == 0 and c.cached_tokens == 128 and plan.loads == [(0, c.slot)]
+
+
+# ---- the engine ---------------------------------------------------------------------------------------
+
+def _turns(rng: random.Random, V: int) -> list[list[int]]:
+    """A conversation: each turn's prompt extends the last one; then a branch of an earlier turn, a
+    repeat of one, and a prompt sharing only a first few tokens."""
+    p1 = [rng.randrange(V) for _ in range(150)]
+    p2 = p1 + [rng.randrange(V) for _ in range(45)]
+    p3 = p2 + [rng.randrange(V) for _ in range(90)]
+    branch = p2[:140] + [rng.randrange(V) for _ in range(30)]
+    other = p1[:20] + [rng.randrange(V) for _ in range(130)]
+    return [p1, p2, p3, branch, list(p3), other]
+
+
+def _expected_cached(prompts: list[list[int]]) -> list[int]:
+    """cached_tokens per prompt, run one after another, from the rules (capacity large enough)."""
+    entries, out = [], []
+    for p in prompts:
+        f = max((len(e) - 1 for e in entries if len(p) >= len(e) + 1 and p[:len(e)] == e), default=0)
+        out.append(f)
+        fr = _frontier(len(p))
+        if fr > f and p[:fr + 1] not in entries:
+            entries.append(p[:fr + 1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.test_engine import HEADS, Reference
+    cfg = tiny_config(False, **HEADS, head_dim=64)          # int8 KV groups 64 channels
+    d = str(tmp_path_factory.mktemp("prefix"))
+    spec, w = write_tiny_checkpoint(d, cfg, 4242)
+    return d, Reference(spec, w)
+
+
+def _clear(ref, rng, n: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Turns (redrawn until no step of any of them has a near tie) and their reference greedy ids."""
+    from tests.test_engine import MARGIN, _NearTie
+    for _ in range(30):
+        prompts = _turns(rng, ref.V)
+        try:
+            return prompts, [ref.greedy(p, n, MARGIN)[0] for p in prompts]
+        except _NearTie:
+            continue
+    pytest.fail("no conversation without a near tie in 30 draws")
+
+
+@pytest.mark.parametrize("tp,spec_k,kv", [(1, 0, "bf16"), (2, 0, "bf16"), (1, 2, "bf16"), (1, 0, "int8")],
+                         ids=["tp1", "tp2", "tp1-mtp", "tp1-int8"])
+def test_engine_turns_hit_the_cache_and_keep_the_reference_ids(tiny, tp, spec_k, kv, seed):
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import greedy
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    prompts, want = _clear(ref, rng, 12)
+    opts = EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64, threads_per_rank=1,
+                         spec_draft_tokens=spec_k, kv_dtype=kv, prefix_cache=8)
+    eng = Engine.start(d, tp=tp, options=opts)
+    try:
+        cached = []
+        for p, ids in zip(prompts, want):
+            r = eng.submit(p, greedy(len(ids))).result(timeout=120)
+            assert r.error is None
+            if kv == "bf16":           # int8 KV rounds keys and values: its ids are the cache-off engine's
+                assert r.tokens == ids, f"turn {len(cached)}: {r.tokens} != reference {ids}"
+            else:
+                want[len(cached)] = r.tokens
+            cached.append(r.usage.get("cached_tokens", 0))
+        assert cached == _expected_cached(prompts)
+        stats = eng.stats()["prefix_cache"]
+        assert stats["hits"] == sum(cached) and stats["queries"] == sum(map(len, prompts))
+    finally:
+        eng.shutdown()
+    if kv == "int8":                   # the same prompts without the cache: the same ids
+        eng = Engine.start(d, tp=tp, options=EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64,
+                                                           threads_per_rank=1, kv_dtype=kv, prefix_cache=0))
+        try:
+            for p, ids in zip(prompts, want):
+                assert eng.submit(p, greedy(len(ids))).result(timeout=120).tokens == ids
+        finally:
+            eng.shutdown()
+
+
+def test_engine_penalised_sampling_counts_the_cached_prompt(tiny, seed):
+    """Repetition / presence / frequency penalties see the cached prompt tokens as if computed: a
+    seeded, penalised request that starts on a cached prefix draws the reference's ids."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import MARGIN, _NearTie
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64,
+                                                      threads_per_rank=1, prefix_cache=4))
+    try:
+        checked = 0
+        for _ in range(20):
+            # the cached part and the computed part use different ids: the penalties of the cached
+            # ones are only right if the samplers counted them
+            base = [rng.randrange(40) for _ in range(150)]
+            p = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=10, ignore_eos=True, seed=rng.randrange(1000),
+                               repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3)
+            follow = base + [40 + rng.randrange(8) for _ in range(30)]
+            try:
+                want = ref.sample(follow, p, MARGIN)[0]
+            except _NearTie:
+                continue
+            eng.submit(base, SamplingParams(temperature=0.0, max_new_tokens=1)).result(timeout=120)
+            r = eng.submit(follow, p).result(timeout=120)
+            assert r.usage.get("cached_tokens") == 128
+            assert r.tokens == want
+            checked += 1
+            if checked == 3:
+                break
+        assert checked, "every draw had a near tie"
+    finally:
+        eng.shutdown()
