@@ -312,3 +312,39 @@ def test_engine_penalised_sampling_counts_the_cached_prompt(tiny, seed):
         assert checked, "every draw had a near tie"
     finally:
         eng.shutdown()
+
+
+# ---- through the APIs ---------------------------------------------------------------------------------
+
+def test_follow_up_turns_report_cached_tokens_through_the_apis():
+    """The embedded model's chat template renders a conversation's next turn so that it begins with the
+    last turn's prompt up to its frontier: OpenAI chat reports prompt_tokens_details.cached_tokens, and
+    Anthropic Messages cache_read_input_tokens (input_tokens excluding them), for the second turn."""
+    import os
+
+    import httpx
+
+    from ranks.demo import PACKAGED_DIR
+    from tests.scripted_service import demo_app
+
+    if not os.path.isfile(os.path.join(PACKAGED_DIR, "config.json")):
+        pytest.skip("no packaged demo model")
+    system = "You answer in one short sentence. " * 30
+    with demo_app() as (url, _service):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+        first = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "demo", "messages": msgs, "max_tokens": 12, "temperature": 0}).json()
+        reply = first["choices"][0]["message"]
+        msgs += [{"role": "assistant", "content": reply["content"] or ""}, {"role": "user", "content": "Another?"}]
+        second = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "demo", "messages": msgs, "max_tokens": 12, "temperature": 0}).json()
+        n1 = first["usage"]["prompt_tokens"]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == _frontier(n1) > 0
+        anthro = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                  {"role": "user", "content": "Another?"}]
+        for turn in (anthro[:1], anthro):
+            r = httpx.post(url + "/v1/messages", timeout=120, json={
+                "model": "demo", "system": system, "messages": turn, "max_tokens": 8}).json()
+        u = r["usage"]
+        assert u["cache_read_input_tokens"] > 0 and u["cache_read_input_tokens"] % PAGE_SIZE == 0
+        assert u["input_tokens"] >= 1              # the new part is computed
