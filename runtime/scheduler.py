@@ -357,8 +357,18 @@ class Scheduler:
         self.cache_stats["evicted"] += 1
 
     def _evict_for(self, need: int, keep=None) -> None:
-        """Evict least recently used entries (never `keep`) until `need` pages are free or none is left."""
-        while self.cache is not None and need > len(self.free_pages):
+        """Evict least recently used entries (never `keep`) until `need` pages are free; nothing when
+        even evicting them all would not free enough (pages running sequences share stay held)."""
+        if self.cache is None:
+            return
+        holders: dict[int, int] = {}
+        for e in self.cache.entries:
+            if e is not keep:
+                for p in e.pages:
+                    holders[p] = holders.get(p, 0) + 1
+        if need > len(self.free_pages) + sum(1 for p, n in holders.items() if self.refs[p] == n):
+            return
+        while need > len(self.free_pages):
             victim = self.cache.lru(keep)
             if victim is None:
                 return

@@ -177,6 +177,42 @@ def test_a_prefill_chunk_is_cut_at_the_frontier_and_saved_after_it():
     assert plan.columns == [43] and plan.sample == [True]
 
 
+def test_entries_are_evicted_only_when_that_admits_the_request():
+    """A waiting request that evicting every entry would still not fit keeps the entries; one that it
+    fits evicts the least recently used first, only as many as it needs."""
+    sch = Scheduler(SchedulerConfig(max_concurrency=3, prefill_chunk=512, max_step_tokens=600, kv_pages=12,
+                                    max_context=1000, prefix_cache=3))
+
+    def seq(sid: int, first: int, n: int, max_new: int) -> Sequence:
+        p = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+        return Sequence(sid, [first + k for k in range(n)], p, seed=0, max_new_tokens=max_new, stop_ids=frozenset())
+
+    def step() -> None:
+        plan = sch.schedule()
+        sch.commit(plan, {x.id: 0 for x, smp in zip(plan.seqs, plan.sample) if smp})
+
+    for i in range(3):                                   # three entries of 2 pages each (frontier 128)
+        s = seq(i + 1, 1000 * (i + 1), 150, 1)
+        sch.add(s)
+        while not s.done:
+            step()
+    assert [e.frontier for e in sch.cache.entries] == [128] * 3 and len(sch.free_pages) == 6
+    keeper = seq(4, 5000, 60, 196)                       # 4 pages, running on; too short to leave an entry
+    sch.add(keeper)
+    step()
+    assert keeper.status.name == "RUNNING" and len(sch.free_pages) == 2
+    big = seq(5, 6000, 500, 60)                          # 9 pages > 2 free + 6 the entries hold
+    sch.add(big)
+    step()
+    assert big.status.name == "WAITING" and len(sch.cache.entries) == 3 and len(sch.free_pages) == 2
+    sch.cancel(big)
+    small = seq(6, 7000, 200, 10)                        # 4 pages: the oldest entry goes, the others stay
+    sch.add(small)
+    step()
+    assert small.status.name == "RUNNING"
+    assert sorted(e.tokens[0] for e in sch.cache.entries) == [2000, 3000, 7000]     # small left its own
+
+
 def test_prompt_logprobs_requests_take_no_hit():
     sch = Scheduler(SchedulerConfig(max_concurrency=3, prefill_chunk=512, max_step_tokens=600, kv_pages=40,
                                     max_context=1000, prefix_cache=2))
