@@ -11,7 +11,6 @@ MTP speculation and with int8 KV, with `cached_tokens` as the entry rules predic
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
