@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""The prompt-prefix cache through the engine: an agent loop's turns, time to first token with the
+cache and without it.
+
+    python scripts/bench/prefix_cache.py --device cpu --context 2000 --turn-tokens 200 --turns 5
+    python scripts/bench/prefix_cache.py --device cuda --model 27b --context 16000 32000 --out prefix.json
+
+Each turn's prompt is the previous turn's prompt, its output (greedy, --new-tokens, ignore_eos) and
+--turn-tokens new tokens (a tool result, say), the way an agent resends a growing conversation; the
+first prompt holds --context tokens. For each context length the same turns run on an engine with
+the cache (--prefix-cache 1: the conversation's last frontier is all it needs) and one without, and
+the table gives the median TTFT of turns 2.. on each, their ratio, and the prompt tokens served
+from the cache. --model demo (default) runs the embedded model; a preset name (27b, 35b-a3b, ...)
+random weights built on the devices from its config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, repo_root)
+
+from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
+
+
+def conversation(rng: random.Random, vocab: int, context: int, turn_tokens: int) -> tuple[list[int], callable]:
+    first = [rng.randrange(vocab) for _ in range(context)]
+
+    def extend(prompt: list[int], output: list[int]) -> list[int]:
+        return prompt + output + [rng.randrange(vocab) for _ in range(turn_tokens)]
+    return first, extend
+
+
+def run(model_dir: str, args, context: int, cache: bool, random_weights: bool, vocab: int, dtype: str) -> dict:
+    max_context = context + args.turns * (args.turn_tokens + args.new_tokens) + 64
+    opts = EngineOptions(max_concurrency=1, max_context=max_context, prefix_cache=1 if cache else 0,
+                         random_weights=random_weights, weights=args.weights, startup_timeout_s=900,
+                         prefill_chunk=args.prefill_chunk)
+    rng = random.Random(args.seed)
+    prompt, extend = conversation(rng, vocab, context, args.turn_tokens)
+    turns = []
+    with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=dtype, options=opts) as engine:
+        for t in range(args.turns):
+            t0 = time.perf_counter()
+            first_at, tokens, usage = None, [], None
+            for ev in engine.submit(prompt, SamplingParams(temperature=0, max_new_tokens=args.new_tokens,
+                                                           ignore_eos=True)):
+                if ev.tokens and first_at is None:
+                    first_at = time.perf_counter()
+                tokens += ev.tokens
+                if ev.usage is not None:
+                    usage = ev.usage
+            turns.append(dict(prompt_tokens=len(prompt), ttft_s=first_at - t0,
+                              cached_tokens=(usage or {}).get("cached_tokens", 0)))
+            prompt = extend(prompt, tokens)
+    later = [t["ttft_s"] for t in turns[1:]]
+    return dict(context=context, cache=cache, turns=turns, median_ttft_s=statistics.median(later) if later else None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo", help="demo (the embedded model) or a random preset (27b, ...)")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--weights", default="bf16", help="bf16, fp8, fp8-block or nvfp4 (random presets)")
+    ap.add_argument("--context", type=int, nargs="+", default=[2000])
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--turn-tokens", type=int, default=200, help="new tokens each turn adds after the output")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated each turn")
+    ap.add_argument("--prefill-chunk", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.turns < 2:
+        ap.error("--turns must be >= 2 (the first turn has nothing cached)")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.model == "demo":
+        from ranks.demo import default_model_dir
+        from runtime.config import load_spec
+        model_dir, random_weights = default_model_dir(), False
+        vocab = load_spec(model_dir).vocab_size
+    else:
+        from ranks.random_checkpoint import _wrapper_config, text_config
+        cfg = text_config(args.model, num_layers=args.layers)
+        model_dir, random_weights = tempfile.mkdtemp(prefix="tandem-bench-"), True
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
+        vocab = cfg["vocab_size"]
+    res = dict(model=args.model, device=args.device, tp=args.tp, dtype=dtype, weights=args.weights,
+               date=time.strftime("%Y-%m-%d"), commit=os.environ.get("TANDEM_COMMIT"), runs=[])
+    print(f"{'context':>8s} {'TTFT off':>9s} {'TTFT on':>9s} {'on/off':>7s} {'cached / prompt (last turn)':>28s}")
+    for context in args.context:
+        off = run(model_dir, args, context, False, random_weights, vocab, dtype)
+        on = run(model_dir, args, context, True, random_weights, vocab, dtype)
+        res["runs"] += [off, on]
+        last = on["turns"][-1]
+        print(f"{context:8d} {off['median_ttft_s'] * 1e3:7.1f}ms {on['median_ttft_s'] * 1e3:7.1f}ms "
+              f"{on['median_ttft_s'] / off['median_ttft_s']:7.3f} {last['cached_tokens']:>13d} / {last['prompt_tokens']:<13d}",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
