@@ -48,6 +48,10 @@
 #                                        shard's kernel-time profile (tp 2 / tp 1 <= 0.6 needs the shard at
 #                                        ~0.53x with ~0.6 ms of exchanges on top), and linear.py's nvfp4 GEMVs per
 #                                        layer whole and halved (--shard-of 1 / 2)
+#   scripts/gpu-session.sh prefix OUT    one GPU, ~6 min: the prefix cache and pre-quantised checkpoints (twentieth
+#                                        session, CPU-tested only): their GPU tests (test_cuda_model.py -k
+#                                        "resumed or pre_quantised"), then prefix_cache.py's agent loop on the
+#                                        27B nvfp4 at 8k / 32k context (TTFT with the cache and without)
 #   scripts/gpu-session.sh tp OUT        two GPUs: all-reduce latencies, tp 2 vs tp 1 (bf16 and nvfp4,
 #                                        all-reduce share), a 27B tp 2 speculation round vs a plain step
 #   scripts/gpu-session.sh engine OUT    two GPUs, ~3 min: the engine's step (27B nvfp4, tp 1 / 2, C = 1, 8) with
@@ -63,7 +67,7 @@
 # inside its budget; a part that runs out reports what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe|bf16pipe|shard OUT}
+PART=${1:?usage: gpu-session.sh tests-a|tests-b|tests-b2|tests-c|decode|prefill|context|tp|engine|feed|t8|c8|dequant|host|probe|ncu|gemm|moe|bf16pipe|shard|prefix OUT}
 OUT=${2:-out}
 mkdir -p "$OUT"
 B=scripts/bench
@@ -247,5 +251,11 @@ PY
         --variant p100:TANDEM_GEMV_BF16_PIPE_ELEMS=104857600 --variant again2:TANDEM_BENCH_REPEAT=2 \
         --out "$OUT/bf16pipe-27b.json" > "$OUT/bf16pipe-27b.txt" 2>&1
     grep -A15 "^weights variant" "$OUT/bf16pipe-35b.txt"; grep -A10 "^weights variant" "$OUT/bf16pipe-27b.txt" ;;
-  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe, shard)" >&2; exit 2 ;;
+  prefix)
+    timeout 300 scripts/gpu-tests.sh "$OUT/prefix-tests" tests/test_cuda_model.py -m gpu \
+        -k "resumed or pre_quantised" --tb=short --timeout=150 > "$OUT/prefix-tests.txt" 2>&1
+    timeout 220 python $B/prefix_cache.py --device cuda --model 27b --weights nvfp4 --context 8000 32000 \
+        --turns 4 --turn-tokens 300 --out "$OUT/prefix.json" > "$OUT/prefix.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/prefix-tests.txt" | tail -8; cat "$OUT/prefix.txt" | tail -4 ;;
+  *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe, shard, prefix)" >&2; exit 2 ;;
 esac

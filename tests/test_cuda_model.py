@@ -377,6 +377,39 @@ def test_pre_quantised_checkpoint_teacher_forced_logits_match_the_float32_refere
     _teacher_forced_chunks(spec, model, ref, ref16, f"{name} {fmt} checkpoint", allowed, seed)
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+def test_prefill_resumed_from_a_snapshot_matches_the_whole_prefill(name, seed):
+    """The prefix cache's path on the CUDA backend: sequence A prefills past a frontier F, its slot's
+    GDN state is saved to a snapshot at F; B (A's first F tokens, then its own) loads it into a slot
+    that held garbage, shares A's pages [0, F) and prefills from F. Its logits are as close to the
+    float32 reference's whole prefill of B as the CUDA model's own whole prefill of B is."""
+    spec = SPECS[name]()
+    ref, _, model = _models(spec, seed)
+    g = torch.Generator().manual_seed(seed)
+    F = 128
+    a = torch.randint(0, spec.vocab_size, (F + 40,), generator=g)
+    b = torch.cat([a[:F], torch.randint(0, spec.vocab_size, (70,), generator=g)])
+    state = model.new_state(2, 8)
+    state.reserve_snapshots(1)
+    for t in state.conv + state.recurrent:
+        t[1].normal_()
+    ta = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    model.forward(Batch(a[:90], [90], [0], [0], ta), state, logits="none")
+    model.forward(Batch(a[90:F], [F - 90], [90], [0], ta), state, logits="none")
+    state.save_snapshot(0, 0)
+    model.forward(Batch(a[F:], [40], [F], [0], ta), state, logits="none")
+    state.load_snapshot(0, 1)
+    got = model.forward(Batch(b[F:], [70], [F], [1], torch.tensor([[0, 1, 4, 5]], dtype=torch.int32)), state,
+                        logits="all").logits.float().cpu()
+    fresh = model.new_state(1, 4)
+    whole = model.forward(Batch(b, [len(b)], [0], [0], torch.arange(4, dtype=torch.int32)[None]), fresh,
+                          logits="all").logits[F:].float().cpu()
+    want = _reference_logits(ref, [b.tolist()])[0][F:]
+    e_got, e_whole = rel(got, want), rel(whole, want)
+    print(f"{name}: resumed {e_got:.3g}, whole {e_whole:.3g} from the float32 reference")
+    assert e_got <= 1.5 * e_whole + 1e-3
+
+
 def tiny_config_for(name: str) -> dict:
     from ranks.random_checkpoint import text_config
     from tests.util import tiny_config
