@@ -515,6 +515,17 @@ def _wrapper_config(text: dict[str, Any], is_moe: bool) -> dict[str, Any]:
     return cfg
 
 
+def config_only_dir(preset_or_config: str | Mapping[str, Any], num_layers: int | None = None,
+                    prefix: str = "tandem-bench-") -> tuple[str, dict[str, Any]]:
+    """A new temporary model directory holding only the preset's config.json (what --random-weights
+    needs); returns (directory, text config)."""
+    import tempfile
+    cfg = text_config(preset_or_config, num_layers=num_layers)
+    d = tempfile.mkdtemp(prefix=prefix)
+    _write_json(os.path.join(d, "config.json"), _wrapper_config(cfg, "num_experts" in cfg))
+    return d, cfg
+
+
 def _plan_shards(items: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0

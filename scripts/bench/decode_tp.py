@@ -40,14 +40,13 @@ import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 
 repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, repo_root)
 
-from ranks.random_checkpoint import _wrapper_config, text_config  # noqa: E402
+from ranks.random_checkpoint import config_only_dir  # noqa: E402
 from runtime import Engine, EngineOptions, SamplingParams  # noqa: E402
 
 
@@ -112,10 +111,7 @@ def main(argv=None) -> int:
                     help="every request asks for logprobs with K alternatives (what they cost per step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = text_config(args.model, num_layers=args.layers)
-    d = tempfile.mkdtemp(prefix="tandem-bench-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
+    d, cfg = config_only_dir(args.model, args.layers)
     import torch
     from ranks.model_cuda import step_bytes_from
     sys.path.insert(0, os.path.join(repo_root, "scripts", "bench"))

@@ -22,7 +22,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,11 +89,8 @@ def main(argv=None) -> int:
         model_dir, random_weights = default_model_dir(), False
         vocab = load_spec(model_dir).vocab_size
     else:
-        from ranks.random_checkpoint import _wrapper_config, text_config
-        cfg = text_config(args.model, num_layers=args.layers)
-        model_dir, random_weights = tempfile.mkdtemp(prefix="tandem-bench-"), True
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
+        from ranks.random_checkpoint import config_only_dir
+        (model_dir, cfg), random_weights = config_only_dir(args.model, args.layers), True
         vocab = cfg["vocab_size"]
     res = dict(model=args.model, device=args.device, tp=args.tp, dtype=dtype, weights=args.weights,
                date=time.strftime("%Y-%m-%d"), commit=os.environ.get("TANDEM_COMMIT"), runs=[])

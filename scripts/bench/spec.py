@@ -23,7 +23,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 
@@ -109,11 +108,8 @@ def main(argv=None) -> int:
         tok = Tokenizer.from_dir(model_dir)
         prompts = [tok.encode(p) for p in PROMPTS]
     else:
-        from ranks.random_checkpoint import _wrapper_config, text_config
-        cfg = text_config(args.model, num_layers=args.layers)
-        model_dir, random_weights = tempfile.mkdtemp(prefix="tandem-bench-"), True
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(_wrapper_config(cfg, "num_experts" in cfg), f)
+        from ranks.random_checkpoint import config_only_dir
+        (model_dir, cfg), random_weights = config_only_dir(args.model, args.layers), True
         rng = random.Random(0)
         prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(64)] for _ in range(8)]
     res = dict(model=args.model, weights=args.weights, draft_vocab=args.draft_vocab, tp=args.tp, device=args.device, dtype=dtype, date=time.strftime("%Y-%m-%d"), runs=[])
