@@ -51,7 +51,8 @@ class SamplingParams:
     grammar_after: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        # finite: an infinite temperature turns a masked (-inf) logit into NaN (grammar masks, bans)
+        _check(0.0 <= self.temperature < math.inf, "temperature", self.temperature, ">= 0 and finite")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")

@@ -52,11 +52,13 @@ REQUEST_TYPES = ("chat", "tokens", "cancel", "count_tokens", "models", "health")
 CLIENT_LABEL = re.compile(r"[A-Za-z0-9._:/@+\-]{1,64}")     # the rule of HTTP's X-Tandem-Client (server.app)
 _DECIMAL_ID = re.compile(r"[0-9]{1,10}")
 
-# name -> accepted Python types (bool is rejected separately: it is an int to Python)
-_SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "min_p": (int, float),
-    "presence_penalty": (int, float), "frequency_penalty": (int, float),
-    "repetition_penalty": (int, float), "seed": (int,),
+# name -> (accepted Python types, lowest, highest, lowest excluded): the HTTP chat / completions ranges
+# (server.openai_chat.sampling_fields); bool is rejected separately: it is an int to Python
+_SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], float, float, bool]] = {
+    "temperature": ((int, float), 0, 2, False), "top_p": ((int, float), 0, 1, True),
+    "top_k": ((int,), -1, math.inf, False), "min_p": ((int, float), 0, 1, False),
+    "presence_penalty": ((int, float), -2, 2, False), "frequency_penalty": ((int, float), -2, 2, False),
+    "repetition_penalty": ((int, float), 0, 10, True), "seed": ((int,), -2**63, 2**64 - 1, False),
 }
 
 
@@ -77,8 +79,11 @@ def _field(msg: dict, name: str, types: tuple[type, ...], default: Any = None, w
 
 def _sampling(msg: dict) -> Sampling:
     values = {}
-    for name, types in _SAMPLING_FIELDS.items():
+    for name, (types, lo, hi, lo_open) in _SAMPLING_FIELDS.items():
         value = _field(msg, name, types)
+        if value is not None and not ((lo < value if lo_open else lo <= value) and value <= hi):   # NaN too
+            span = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi != math.inf else f">= {lo}"
+            raise _bad(name, f"{name} must be {span}, got {value!r}")
         values[name] = float(value) if value is not None and float in types else value
     logprobs = _field(msg, "logprobs", (int,), None, "an integer")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:

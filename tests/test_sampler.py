@@ -803,3 +803,13 @@ def test_nan_logits_raise_a_clear_error(sampler, seed):
         sample_rows(logits, [sampler] * 3, [5, 5, 5], rank=0, tp=1, gather=lambda t: t[None])
     ok = sample_rows(logits[[0, 2]], [sampler] * 2, [5, 5], rank=0, tp=1, gather=lambda t: t[None])
     assert all(0 <= t < 50 for t in ok)
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), -1e-9])
+def test_sampling_params_refuse_a_temperature_that_is_not_finite_and_non_negative(temperature):
+    """An infinite temperature divides a masked (-inf) logit into NaN (a grammar's mask, a ban): the
+    request must be refused up front, not fail the ranks at their next step."""
+    from runtime.sampling import SamplingParams
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=temperature)
+    SamplingParams(temperature=1e6)

@@ -361,6 +361,59 @@ def test_bad_request_gets_an_error_and_the_server_keeps_serving(server, client, 
     assert client.health()["status"] == "ok"
 
 
+def _out_of_range(rng, lo, hi):
+    """A fresh value outside [lo, hi] (either side where there is one), or a non-finite one."""
+    pick = rng.randrange(4)
+    if pick == 0:
+        return float("inf") if hi is not None else -float("inf")
+    if pick == 1:
+        return float("nan")
+    if hi is not None and (lo is None or pick == 2):
+        return hi + rng.uniform(1e-6, 1e6)
+    return lo - rng.uniform(1e-6, 1e6)
+
+
+# the HTTP chat / completions ranges (server.openai_chat.sampling_fields)
+HTTP_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
+               "frequency_penalty": (-2, 2), "repetition_penalty": (0, 10)}
+
+
+@pytest.mark.parametrize("type_", ["chat", "tokens"])
+@pytest.mark.parametrize("name", sorted(HTTP_RANGES))
+def test_sampling_values_outside_the_http_ranges_are_400_naming_the_field(server, client, service, name, type_):
+    """ZeroMQ carries the HTTP APIs' requests: a sampling value HTTP refuses (out of its range, inf, NaN)
+    is a 400 naming the field, before anything reaches the engine; the bounds themselves are accepted."""
+    import random
+    rng = random.Random()
+    lo, hi = HTTP_RANGES[name]
+    value = _out_of_range(rng, lo, hi)
+    reply = raw_exchange(server.endpoint, pack(type=type_, id=1, messages=user("x"), prompt=[1], **{name: value}))
+    assert (reply["type"], reply["status"], reply["param"]) == ("error", 400, name), (value, reply)
+    assert name in reply["message"]
+    assert service.requests == []
+    edge = lo if name not in ("top_p", "repetition_penalty") else hi     # (0, 1] and (0, 10]: lo is open
+    ok = client.tokens([1], stream=False, **{name: edge}) if type_ == "tokens" else \
+        client.chat(user("x"), stream=False, **{name: edge})
+    assert ok.finish_reason in ("stop", "length")
+    assert getattr(service.requests[-1].sampling, name) == edge
+
+
+@pytest.mark.parametrize("name, value", [("top_p", 0), ("top_p", 0.0), ("repetition_penalty", 0),
+                                         ("top_k", -2), ("seed", 2**64 - 1)])
+def test_open_bounds_and_integer_ranges_follow_http(server, name, value):
+    if name == "seed":                          # msgpack cannot carry 2**64; the largest uint64 is in range
+        reply = raw_exchange(server.endpoint, pack(type="tokens", id=1, prompt=[1], seed=value))
+        assert reply["type"] == "start", reply
+        return
+    reply = raw_exchange(server.endpoint, pack(type="tokens", id=1, prompt=[1], **{name: value}))
+    assert (reply["type"], reply["status"], reply["param"]) == ("error", 400, name), reply
+
+
+def test_top_k_minus_one_means_off_as_over_http(client, service):
+    client.tokens([1], stream=False, top_k=-1)
+    assert service.requests[-1].sampling.top_k in (-1, 0)
+
+
 def test_client_label_rule_is_the_http_one():
     from server import app, zmq_api
     assert zmq_api.CLIENT_LABEL.pattern == app.CLIENT_LABEL.pattern
@@ -563,6 +616,14 @@ def test_output_formats_through_zmq_on_the_demo_model():
             assert re.fullmatch("[0-9]{2,4}", raw.content), raw.content
             free = c.tokens("The answer is", stream=False, max_tokens=12, temperature=0, ignore_eos=True)
             assert not re.fullmatch("[0-9]{2,4}", free.content)         # unconstrained, it writes something else
+            # an infinite temperature over a grammar's mask made NaN scores that failed the engine: refused now
+            with pytest.raises(ZmqAPIError) as e:
+                c.tokens("The answer is", stream=False, max_tokens=4, temperature=float("inf"),
+                         guided_choice=["yes", "no"])
+            assert (e.value.status, e.value.param) == (400, "temperature")
+            assert c.health()["status"] == "ok"
+            again = c.tokens("The answer is", stream=False, max_tokens=12, temperature=0, guided_regex="[0-9]{2,4}")
+            assert again.content == raw.content
     finally:
         srv.stop()
         service.shutdown()
