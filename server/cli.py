@@ -20,13 +20,37 @@ from runtime.engine import CPU_MAX_STEP_TOKENS, CPU_PREFILL_CHUNK, CUDA_PREFILL_
 log = logging.getLogger("tandem")
 
 
-def _positive_float(text: str) -> float:
+def _finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _finite_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -163,7 +187,7 @@ def add_serve_parser(sub) -> None:
                    help=f"sequences decoded at once (default {d.max_concurrency})")
     s.add_argument("--max-pending", type=_positive_int, default=d.max_pending,
                    help=f"waiting requests before 429 (default {d.max_pending})")
-    s.add_argument("--pending-timeout-s", type=float, default=d.pending_timeout_s,
+    s.add_argument("--pending-timeout-s", type=_positive_float, default=d.pending_timeout_s,
                    help=f"seconds a request may wait for a slot (default {d.pending_timeout_s:g})")
     s.add_argument("--max-context", type=_positive_int, default=None,
                    help="prompt + output tokens per sequence (default min(max_position_embeddings, 8192))")
@@ -197,8 +221,8 @@ def add_serve_parser(sub) -> None:
                    help="serve unknown model names with this model instead of answering 404")
     s.add_argument("--request-log-jsonl", default=None, metavar="FILE",
                    help="append one JSON event per line (no prompt or output text)")
-    s.add_argument("--throughput-interval-s", type=float, default=10.0,
-                   help="seconds between throughput events in the request log (default 10)")
+    s.add_argument("--throughput-interval-s", type=_non_negative_float, default=10.0,
+                   help="seconds between throughput events in the request log (default 10; 0 = none)")
     s.add_argument("--chat-template", default=None, metavar="FILE", help="jinja chat template replacing the model's")
     s.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="thinking when a request does not say (default: the template's default)")
@@ -210,11 +234,11 @@ def add_serve_parser(sub) -> None:
                    help="per-mode recommended sampling for omitted fields (default qwen)")
     s.add_argument("--default-max-tokens", type=_positive_int, default=None,
                    help="output cap when a request gives none (default: the rest of the context)")
-    s.add_argument("--max-body-mib", type=float, default=16.0, help="request body limit in MiB (default 16)")
+    s.add_argument("--max-body-mib", type=_positive_float, default=16.0, help="request body limit in MiB (default 16)")
     s.add_argument("--body-timeout-s", type=_positive_float, default=30.0,
                    help="a request body that has not fully arrived after this long between its pieces is a 408 "
                         "(default 30)")
-    s.add_argument("--shutdown-timeout-s", type=float, default=15.0,
+    s.add_argument("--shutdown-timeout-s", type=_non_negative_float, default=15.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 15)")
     s.add_argument("--zmq-endpoint", default=None, metavar="ENDPOINT",
                    help="also serve the ZeroMQ protocol here (e.g. tcp://127.0.0.1:5557, ipc:///run/tandem.sock)")
@@ -228,7 +252,7 @@ def add_spec_arguments(p) -> None:
                    help="speculative decoding: 'mtp' drafts with the model's MTP head (default off)")
     p.add_argument("--draft-tokens", type=int, default=3, choices=range(1, 6), metavar="K",
                    help="drafts per speculation round with --spec mtp, 1..5 (default 3)")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
                    help="draft only among token ids below N: a reduced proposal head of the N most frequent "
                         "tokens (BPE ids follow merge order), cheaper per draft; 0 = the whole vocabulary "
                         "(default)")

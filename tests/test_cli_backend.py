@@ -161,3 +161,44 @@ def test_generate_reports_nan_logits_without_a_traceback(tmp_path, capsys):
     assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert "NaN logits" in err and "Traceback" not in err and not err.startswith("\n"), err
+
+
+def _bad_numbers(kind: str) -> list[str]:
+    """Fresh values a flag of this kind must refuse: negative, non-finite, not a number (and zero where
+    the flag needs a positive value)."""
+    import random
+    rng = random.Random()
+    neg = f"-{rng.uniform(0.001, 1e6):.3f}" if kind != "int>=0" else str(-rng.randint(1, 10**6))
+    out = [neg, "nan", "inf", "-inf", "abc"] if kind != "int>=0" else [neg, "1.5", "abc"]
+    return out + (["0"] if kind == "float>0" else [])
+
+
+NUMERIC_FLAGS = [("serve", "--pending-timeout-s", "float>0"), ("serve", "--max-body-mib", "float>0"),
+                 ("serve", "--body-timeout-s", "float>0"), ("serve", "--shutdown-timeout-s", "float>=0"),
+                 ("serve", "--throughput-interval-s", "float>=0"), ("serve", "--draft-vocab", "int>=0"),
+                 ("generate", "--draft-vocab", "int>=0")]
+
+
+@pytest.mark.parametrize("command,flag,kind", NUMERIC_FLAGS, ids=[f"{c} {f}" for c, f, _ in NUMERIC_FLAGS])
+def test_bad_numeric_flags_are_argparse_errors_naming_the_flag(command, flag, kind, capsys):
+    """A value the flag cannot mean (negative, NaN, infinite, zero for a positive one) is an argparse error
+    naming the flag, exit 2, before anything loads: not a traceback, and not a server that starts with it
+    (a negative --pending-timeout-s failed every queued request, NaN never timed out; --max-body-mib nan
+    and --shutdown-timeout-s inf raised tracebacks after the port was bound)."""
+    from server.cli import build_parser
+    base = ["serve", "--port", "0"] if command == "serve" else ["generate", "--prompt-ids", "1"]
+    for value in _bad_numbers(kind):
+        with pytest.raises(SystemExit) as e:          # parse only: the old code went on to serve
+            build_parser().parse_args([*base, f"{flag}={value}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}" in err and "Traceback" not in err, (value, err)
+
+
+@pytest.mark.parametrize("flag,value,dest,want", [
+    ("--shutdown-timeout-s", "0", "shutdown_timeout_s", 0.0), ("--throughput-interval-s", "0", "throughput_interval_s", 0.0),
+    ("--pending-timeout-s", "0.5", "pending_timeout_s", 0.5), ("--max-body-mib", "0.25", "max_body_mib", 0.25),
+    ("--draft-vocab", "0", "draft_vocab", 0), ("--draft-vocab", "4096", "draft_vocab", 4096)])
+def test_numeric_flags_take_their_documented_values(flag, value, dest, want):
+    from server.cli import build_parser
+    args = build_parser().parse_args(["serve", flag, value])
+    assert getattr(args, dest) == want
