@@ -336,8 +336,9 @@ def _load(service: Service, engine_loader: Callable[[], Any]) -> None:
     try:
         engine = engine_loader()
     except BaseException as e:      # noqa: BLE001 - any failure to start is fatal and must be reported
-        log.error("the engine failed to start: %s", e)
-        service.fail(f"the engine failed to start: {e}")
+        reason = str(e) or type(e).__name__        # MemoryError() says nothing by itself
+        log.error("the engine failed to start: %s", reason)
+        service.fail(f"the engine failed to start: {reason}")
         return
     if not service.attach_engine(engine):
         engine.shutdown()

@@ -433,6 +433,23 @@ def test_a_failed_engine_start_turns_health_503_and_is_fatal():
     assert "could not load" in fatal[0]
 
 
+def test_a_failed_engine_start_without_a_message_still_says_what_failed():
+    """A loader failure whose text is empty (MemoryError() from a --kv-capacity far past the host's memory)
+    is reported by its type, not as 'the engine failed to start: ' with nothing after it."""
+    d = tiny_model_dir()
+    fatal = []
+
+    def load():
+        raise MemoryError()
+
+    service = _service(None, Tokenizer.from_dir(d), d)
+    with running(create_app(service, engine_loader=load, on_fatal=fatal.append)) as url:
+        wait_for(lambda: fatal)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and "MemoryError" in r.json()["error"]["message"]
+    assert "MemoryError" in fatal[0]
+
+
 def test_killing_a_rank_fails_in_flight_requests_and_turns_health_503():
     d = tiny_model_dir()
     tok = Tokenizer.from_dir(d)
