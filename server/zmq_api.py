@@ -62,7 +62,7 @@ _SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], float, float, bool]] = {
 }
 
 
-def _bad(param: str, message: str) -> APIError:
+def _bad(param: str | None, message: str) -> APIError:
     return APIError(400, "invalid_request", message, param=param)
 
 
@@ -375,10 +375,10 @@ class ZmqServer:
                 raise APIError(413, "too_large", f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
             try:
                 msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
-            except Exception as e:
-                raise _bad("", f"body is not valid msgpack: {e}") from None
+            except Exception as e:              # msgpack's errors may have no text (a reserved byte, 0xc1)
+                raise _bad(None, f"body is not valid msgpack: {str(e) or type(e).__name__}") from None
             if not isinstance(msg, dict):
-                raise _bad("", f"body must be a msgpack map, got {type(msg).__name__}")
+                raise _bad(None, f"body must be a msgpack map, got {type(msg).__name__}")
             rid = msg.get("id")
             if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)):
                 rid = None
@@ -439,10 +439,11 @@ class ZmqServer:
         if client is not None and not CLIENT_LABEL.fullmatch(client):
             raise APIError(400, "invalid_request", "client must be 1-64 characters of A-Za-z0-9._:/@+-",
                            param="client", code="invalid_client_label")
+        return_prompt_ids = _field(msg, "return_prompt_ids", (bool,), False)
         entry = self._inflight[key] = _Inflight()
         context = RequestContext(request_id=secrets.token_hex(12), client=client, path=f"zmq:{msg['type']}")
         entry.task = asyncio.get_running_loop().create_task(
-            self._generate(key, entry, request, context, bool(msg.get("return_prompt_ids"))), name=f"zmq-{rid}")
+            self._generate(key, entry, request, context, return_prompt_ids), name=f"zmq-{rid}")
         entry.task.add_done_callback(lambda _t: self._ended(key, entry))
 
     def _terminal(self, entry: _Inflight, envelope: tuple, rid: Any, type_: str, **fields: Any) -> None:

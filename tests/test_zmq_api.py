@@ -414,6 +414,23 @@ def test_top_k_minus_one_means_off_as_over_http(client, service):
     assert service.requests[-1].sampling.top_k in (-1, 0)
 
 
+@pytest.mark.parametrize("body", [b"\xc1", b"\xc1\x00garbage", b"\x92\x01", msgpack.packb([1, 2]), b""])
+def test_a_body_that_is_not_a_map_says_why_and_names_no_field(server, body):
+    """Body-level errors (not msgpack, not a map) have param nil, as HTTP's null for an unreadable body,
+    and a message that says what is wrong (msgpack's error for 0xc1 has no text of its own)."""
+    reply = raw_exchange(server.endpoint, body)
+    assert (reply["type"], reply["status"], reply["id"], reply["param"]) == ("error", 400, None, None), reply
+    detail = reply["message"].split(":", 1)[1].strip() if ":" in reply["message"] else reply["message"]
+    assert detail, reply["message"]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, [True], {"a": 1}])
+def test_return_prompt_ids_must_be_a_boolean(server, service, value):
+    reply = raw_exchange(server.endpoint, pack(type="tokens", id=1, prompt=[1], return_prompt_ids=value))
+    assert (reply["type"], reply["status"], reply["param"]) == ("error", 400, "return_prompt_ids"), reply
+    assert service.requests == []
+
+
 def test_client_label_rule_is_the_http_one():
     from server import app, zmq_api
     assert zmq_api.CLIENT_LABEL.pattern == app.CLIENT_LABEL.pattern
