@@ -44,16 +44,6 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _int_at_least(low: int):
     """An argparse type: an integer >= low."""
     def parse(text: str) -> int:
@@ -252,7 +242,7 @@ def add_spec_arguments(p) -> None:
                    help="speculative decoding: 'mtp' drafts with the model's MTP head (default off)")
     p.add_argument("--draft-tokens", type=int, default=3, choices=range(1, 6), metavar="K",
                    help="drafts per speculation round with --spec mtp, 1..5 (default 3)")
-    p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+    p.add_argument("--draft-vocab", type=_count, default=0, metavar="N",
                    help="draft only among token ids below N: a reduced proposal head of the N most frequent "
                         "tokens (BPE ids follow merge order), cheaper per draft; 0 = the whole vocabulary "
                         "(default)")
