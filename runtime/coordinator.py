@@ -40,6 +40,19 @@ from transport.mailbox import create_segment
 
 log = logging.getLogger(__name__)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_KV_TOKENS = 1 << 30          # tokens of KV one engine may hold (2^24 pages; ~64 TB for the 27B)
+
+
+def kv_pool_tokens(options, max_context: int) -> int:
+    """Tokens of KV in the pool: options.kv_capacity, or by default room for max_concurrency sequences
+    of max_context tokens in whole pages with speculation's slack; ValueError past MAX_KV_TOKENS."""
+    per_seq = -(-(max_context + 2 * options.spec_draft_tokens) // PAGE_SIZE)
+    kv_tokens = options.kv_capacity or options.max_concurrency * per_seq * PAGE_SIZE
+    if kv_tokens > MAX_KV_TOKENS:    # the page lists alone would exhaust the host's memory
+        raise ValueError(f"a KV pool of {kv_tokens} tokens (max_concurrency {options.max_concurrency} x "
+                         f"max_context {max_context}, or kv_capacity) exceeds {MAX_KV_TOKENS}; lower "
+                         "max_concurrency, max_context or kv_capacity")
+    return kv_tokens
 
 
 class Coordinator:
@@ -63,8 +76,7 @@ class Coordinator:
         # speculation's slack (Scheduler.pages_for); max_concurrency x max_context tokens rounded up to
         # pages fell a page short whenever max_context is not a multiple of PAGE_SIZE, so that the last
         # sequence waited for the others to finish
-        per_seq = -(-(max_context + 2 * options.spec_draft_tokens) // PAGE_SIZE)
-        kv_tokens = options.kv_capacity or options.max_concurrency * per_seq * PAGE_SIZE
+        kv_tokens = kv_pool_tokens(options, max_context)
         chunk, step = step_sizes(device, options.max_concurrency, options.prefill_chunk, options.max_step_tokens)
         self.config = SchedulerConfig(
             max_concurrency=options.max_concurrency, max_pending=options.max_pending,
@@ -131,6 +143,10 @@ class Coordinator:
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         # one torch thread per rank unless asked: on small CPU models more threads were slower (docs/perf.md)
         threads = self.options.threads_per_rank or 1
+        cores = os.cpu_count() or 1
+        if threads > cores:              # far past the cores, torch's thread pool crashed the rank (SIGSEGV)
+            log.warning("threads_per_rank %d exceeds the %d cores here; using %d", threads, cores, cores)
+            threads = cores
         env.setdefault("OMP_NUM_THREADS", str(threads))
         for r in range(self.tp):
             self.procs.append(subprocess.Popen(

@@ -49,6 +49,9 @@ def step_sizes(device: str, max_concurrency: int, prefill_chunk: int | None = No
     return chunk, max(step, max_concurrency)
 
 
+MAX_CONCURRENCY = 4096                   # sequences at once: each holds a GDN state slot on every rank
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Knobs of the runtime; the CLI's flags are kebab-case versions of these names."""
@@ -85,6 +88,8 @@ class EngineOptions:
     spec_draft_hook: Callable | None = None
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"max_concurrency must be 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
         if not 0 <= self.spec_draft_tokens <= 5:
             raise ValueError(f"spec_draft_tokens must be 0 (off) or 1..5, got {self.spec_draft_tokens}")
         if self.prefix_cache is not None and self.prefix_cache < 0:

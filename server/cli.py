@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from runtime.engine import CPU_MAX_STEP_TOKENS, CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK, step_sizes
+from runtime.engine import CPU_MAX_STEP_TOKENS, CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK, MAX_CONCURRENCY, step_sizes
 
 log = logging.getLogger("tandem")
 
@@ -44,8 +44,8 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= low."""
+def _int_range(low: int, high: int | None = None):
+    """An argparse type: an integer >= low (and <= high when given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -53,12 +53,14 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
     return parse
 
 
-_positive_int = _int_at_least(1)
-_count = _int_at_least(0)
+_positive_int = _int_range(1)
+_count = _int_range(0)
 
 
 def _port(text: str) -> int:
@@ -173,8 +175,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weight / activation dtype (default float32 on cpu, bfloat16 on cuda)")
     add_backend_arguments(s)
-    s.add_argument("--max-concurrency", type=_positive_int, default=d.max_concurrency,
-                   help=f"sequences decoded at once (default {d.max_concurrency})")
+    s.add_argument("--max-concurrency", type=_int_range(1, MAX_CONCURRENCY), default=d.max_concurrency,
+                   help=f"sequences decoded at once, 1..{MAX_CONCURRENCY} (default {d.max_concurrency})")
     s.add_argument("--max-pending", type=_positive_int, default=d.max_pending,
                    help=f"waiting requests before 429 (default {d.max_pending})")
     s.add_argument("--pending-timeout-s", type=_positive_float, default=d.pending_timeout_s,

@@ -4,6 +4,8 @@ option values reach EngineOptions, which validates them too."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from runtime.engine import EngineOptions
@@ -202,3 +204,19 @@ def test_numeric_flags_take_their_documented_values(flag, value, dest, want):
     from server.cli import build_parser
     args = build_parser().parse_args(["serve", flag, value])
     assert getattr(args, dest) == want
+
+
+def test_sizes_past_what_an_engine_can_hold_are_refused_before_listening(capsys):
+    """--max-concurrency past MAX_CONCURRENCY is an argparse error; a KV pool past MAX_KV_TOKENS (the page
+    lists alone exhausted the host's memory: the OOM killer took the server) exits 2 naming the flags,
+    before the engine starts or the port is bound."""
+    from runtime.coordinator import MAX_KV_TOKENS
+    from runtime.engine import MAX_CONCURRENCY
+    from server.cli import build_parser, main
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--max-concurrency", str(MAX_CONCURRENCY + 1)])
+    assert e.value.code == 2 and "argument --max-concurrency" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--max-concurrency", str(MAX_CONCURRENCY)]).max_concurrency == MAX_CONCURRENCY
+    assert main(["serve", "--port", "0", "--kv-capacity", str(MAX_KV_TOKENS + random.randrange(1, 10**9))]) == 2
+    err = capsys.readouterr().err
+    assert "KV pool" in err and "--kv-capacity" in err, err
