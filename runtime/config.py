@@ -200,7 +200,8 @@ def spec_from_hf(raw: dict[str, Any], source: str = "<dict>") -> ModelSpec:
                 log.info("%s: top-level tie_word_embeddings=%r overrides text_config's %r", source, top_tie,
                          text["tie_word_embeddings"])
             text["tie_word_embeddings"] = top_tie
-        if "quantization_config" in raw and "quantization_config" not in text:
+        # the wrapper's quantization_config applies unless text_config has its own (null counts as absent)
+        if raw.get("quantization_config") is not None and text.get("quantization_config") is None:
             text["quantization_config"] = raw["quantization_config"]
         r = _Reader(text, source, prefix="text_config.")
         model_type = r.get("model_type", str)
@@ -375,7 +376,7 @@ def _quantization(qc: Any, source: str) -> str | None:
         groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
         kinds = set()
         for g in groups or [{}]:
-            fmt = g.get("format", qc.get("format"))
+            fmt = g.get("format") or qc.get("format")        # a group's null format is the top-level one
             weights = g.get("weights") if isinstance(g.get("weights"), dict) else {}
             if fmt == "nvfp4-pack-quantized":
                 kinds.add("nvfp4")

@@ -542,3 +542,33 @@ def test_hf_quant_config_json_is_read_for_modelopt(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load_spec(model_dir)
     assert "quant_algo" in str(exc.value) and "'W4A16_AWQ'" in str(exc.value)
+
+
+@pytest.mark.parametrize("qc,kind", [QUANT_CONFIGS[k] for k in ("modelopt_nvfp4", "compressed_tensors_nvfp4")],
+                         ids=["modelopt", "compressed_tensors"])
+def test_wrapper_quantization_config_wins_over_a_null_one_in_text_config(tmp_path, qc, kind):
+    """transformers serialises unset text_config fields as null: a text_config 'quantization_config: null'
+    is absent, so the wrapper's quantization_config applies (it was dropped, and the quantised tensors
+    were then refused as having no quantization_config)."""
+    model_dir, _ = write_config(tmp_path, wrapper(text(quantization_config=None), quantization_config=qc))
+    assert load_spec(model_dir).quantization == kind
+
+
+@pytest.mark.parametrize("fmt,weights,kind", [
+    ("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}, "nvfp4"),
+    ("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}, "fp8"),
+    ("float-quantized", {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+     "fp8-block"),
+], ids=["nvfp4", "fp8_channel", "fp8_block"])
+def test_compressed_tensors_group_format_null_takes_the_top_level_format(tmp_path, fmt, weights, kind):
+    """compressed-tensors writes a scheme's unset 'format' as null inside config_groups; the top-level
+    'format' then applies to the group (as in vLLM), rather than the group being refused as format None.
+    A null group format with no top-level one is still refused, naming the field."""
+    group = {"targets": ["Linear"], "format": None, "weights": weights, "input_activations": None}
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}}
+    model_dir, _ = write_config(tmp_path, text(quantization_config=qc))
+    assert load_spec(model_dir).quantization == kind
+    model_dir, _ = write_config(tmp_path, text(quantization_config={**qc, "format": None}))
+    with pytest.raises(ConfigError) as exc:
+        load_spec(model_dir)
+    assert "quantization_config.format" in str(exc.value) and "None" in str(exc.value), str(exc.value)
