@@ -28,6 +28,9 @@ shared-expert projections) where a rank's slice falls on the format's block boun
 QuantWeight (kind fp8_block, fp8_row or nvfp4; compressed-tensors' divisor becomes the multiplier
 1/g in fp32); everything else (routed experts, a|b, routers, the reference backend's whole model) is
 dequantised at load, in fp32 and cast once to the model's dtype.
+
+Scales are checked as they are read (only the slice a rank reads): a NaN, infinite or negative scale,
+or an fp8 NaN code (0x7f / 0xff), is a QuantCheckpointError naming the file, tensor and element.
 """
 
 from __future__ import annotations
@@ -183,11 +186,45 @@ def _global(ckpt, q: QuantTensor) -> torch.Tensor:
     return g
 
 
+def _scales(ckpt, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """The fp32 values of scale tensor `name` (or its slice `index`), QuantCheckpointError naming the
+    element where one is NaN, infinite or negative (a corrupt scale would load as NaN weights, or
+    weights of the wrong sign)."""
+    return _checked(ckpt, name, ckpt.read(name, index=index), index)
+
+
+def _checked(ckpt, name: str, t: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
+    """_scales on `t`, the slice `index` of `name` already read (fp8 scales, as float8_e4m3fn or uint8
+    bits, are decoded)."""
+    fp8 = t.dtype in (torch.float8_e4m3fn, torch.uint8)
+    s = fp8_to_float(t.contiguous().view(torch.uint8)) if fp8 else t.to(torch.float32)
+    bad = ~torch.isfinite(s) | (s < 0)
+    if bool(bad.any()):
+        at = bad.nonzero()[0].tolist()
+        value = float(s[tuple(at)])
+        at = [i + (sl.start or 0) for i, sl in zip(at, tuple(index or ()) + (slice(0),) * len(at))]
+        raise QuantCheckpointError(f"{_where(ckpt.tensors[name])} holds {value!r}"
+                                   + (f" at {at}" if at else "") + "; weight scales must be finite and not negative")
+    return s
+
+
+def _codes(ckpt, name: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    """Rows [r0, r1) x columns [c0, c1) of an fp8 weight as uint8 e4m3fn bits; QuantCheckpointError
+    naming the element where one is a NaN code (0x7f / 0xff: no exporter writes one)."""
+    t = ckpt.read(name, index=(slice(r0, r1), slice(c0, c1))).contiguous().view(torch.uint8)
+    nan = (t & 0x7F) == 0x7F
+    if bool(nan.any()):
+        i, j = nan.nonzero()[0].tolist()
+        raise QuantCheckpointError(f"{_where(ckpt.tensors[name])} holds the NaN code {int(t[i, j]):#04x} at "
+                                   f"[{r0 + i}, {c0 + j}]; float8_e4m3fn weights must be finite")
+    return t
+
+
 def _row_scales(ckpt, q: QuantTensor, r0: int, r1: int) -> torch.Tensor:
     """fp8_row: the fp32 scales of rows [r0, r1) (one scale repeated for a per-tensor weight)."""
     if q.per_tensor:
-        return ckpt.read(q.scale).to(torch.float32).reshape(1).expand(r1 - r0).contiguous()
-    return ckpt.read(q.scale, index=(slice(r0, r1),)).to(torch.float32).reshape(r1 - r0).contiguous()
+        return _scales(ckpt, q.scale).reshape(1).expand(r1 - r0).contiguous()
+    return _scales(ckpt, q.scale, (slice(r0, r1),)).reshape(r1 - r0).contiguous()
 
 
 def read(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | None = None) -> QuantWeight | None:
@@ -198,20 +235,20 @@ def read(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | None = N
     r0, r1 = _bounds(rows, N)
     c0, c1 = _bounds(cols, K)
     if q.kind == "fp8_row":
-        data = ckpt.read(q.data, index=(slice(r0, r1), slice(c0, c1)))
-        return QuantWeight("fp8_row", r1 - r0, c1 - c0, data.contiguous().view(torch.uint8),
+        return QuantWeight("fp8_row", r1 - r0, c1 - c0, _codes(ckpt, q.data, r0, r1, c0, c1),
                            _row_scales(ckpt, q, r0, r1))
     if q.kind == "fp8_block":
         if r0 % BLOCK or (r1 % BLOCK and r1 != N) or c0 % BLOCK or (c1 % BLOCK and c1 != K):
             return None
-        data = ckpt.read(q.data, index=(slice(r0, r1), slice(c0, c1)))
-        scale = ckpt.read(q.scale, index=(slice(r0 // BLOCK, -(-r1 // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK))))
-        return QuantWeight("fp8_block", r1 - r0, c1 - c0, data.contiguous().view(torch.uint8),
-                           scale.to(torch.float32).contiguous())
+        data = _codes(ckpt, q.data, r0, r1, c0, c1)
+        scale = _scales(ckpt, q.scale, (slice(r0 // BLOCK, -(-r1 // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK))))
+        return QuantWeight("fp8_block", r1 - r0, c1 - c0, data, scale.contiguous())
     if c0 % GROUP or c1 % GROUP:
         return None
     data = ckpt.read(q.data, index=(slice(r0, r1), slice(c0 // 2, c1 // 2)))
-    scale = ckpt.read(q.scale, index=(slice(r0, r1), slice(c0 // GROUP, c1 // GROUP)))
+    index = (slice(r0, r1), slice(c0 // GROUP, c1 // GROUP))
+    scale = ckpt.read(q.scale, index=index)
+    _checked(ckpt, q.scale, scale, index)                   # kept as fp8 bits
     g = _global(ckpt, q)
     if q.divisor:
         _check_shape(ckpt, q)
@@ -227,22 +264,21 @@ def dequantised(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | N
     r0, r1 = _bounds(rows, N)
     c0, c1 = _bounds(cols, K)
     if q.kind == "fp8_row":
-        codes = ckpt.read(q.data, index=(slice(r0, r1), slice(c0, c1)))
-        w = fp8_to_float(codes.contiguous().view(torch.uint8)) * _row_scales(ckpt, q, r0, r1)[:, None]
+        w = fp8_to_float(_codes(ckpt, q.data, r0, r1, c0, c1)) * _row_scales(ckpt, q, r0, r1)[:, None]
     elif q.kind == "fp8_block":
         R0, R1 = _tiles(slice(r0, r1), N, BLOCK)
         C0, C1 = _tiles(slice(c0, c1), K, BLOCK)
-        codes = ckpt.read(q.data, index=(slice(R0, R1), slice(C0, C1)))
-        s = ckpt.read(q.scale, index=(slice(R0 // BLOCK, -(-R1 // BLOCK)), slice(C0 // BLOCK, -(-C1 // BLOCK))))
-        s = s.to(torch.float32).repeat_interleave(BLOCK, 0)[:R1 - R0].repeat_interleave(BLOCK, 1)[:, :C1 - C0]
-        w = fp8_to_float(codes.contiguous().view(torch.uint8)) * s
+        codes = _codes(ckpt, q.data, R0, R1, C0, C1)
+        s = _scales(ckpt, q.scale, (slice(R0 // BLOCK, -(-R1 // BLOCK)), slice(C0 // BLOCK, -(-C1 // BLOCK))))
+        s = s.repeat_interleave(BLOCK, 0)[:R1 - R0].repeat_interleave(BLOCK, 1)[:, :C1 - C0]
+        w = fp8_to_float(codes) * s
         w = w[r0 - R0:r1 - R0, c0 - C0:c1 - C0]
     else:
         C0, C1 = _tiles(slice(c0, c1), K, GROUP)
         d = ckpt.read(q.data, index=(slice(r0, r1), slice(C0 // 2, C1 // 2)))
-        s = ckpt.read(q.scale, index=(slice(r0, r1), slice(C0 // GROUP, C1 // GROUP))).contiguous().view(torch.uint8)
+        s = _scales(ckpt, q.scale, (slice(r0, r1), slice(C0 // GROUP, C1 // GROUP)))
         codes = torch.stack([d & 0xF, d >> 4], dim=-1).reshape(r1 - r0, C1 - C0)     # low nibble first
-        w = e2m1_to_float(codes) * fp8_to_float(s).repeat_interleave(GROUP, 1)
+        w = e2m1_to_float(codes) * s.repeat_interleave(GROUP, 1)
         g = _global(ckpt, q)
         if q.divisor:
             _check_shape(ckpt, q)

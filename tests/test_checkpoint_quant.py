@@ -434,3 +434,65 @@ def test_weights_flag_on_a_pre_quantised_checkpoint_is_refused(tmp_path, seed, c
     assert main(["serve", str(tmp_path), "--device", "cuda", "--weights", "fp8", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "--weights fp8" in err and "already quantised (fp8-block" in err, err
+
+
+def _corrupt(t: torch.Tensor, how: str, rng: random.Random) -> torch.Tensor:
+    """`t` with one random element made NaN, +-inf or negative: fp8 tensors (nvfp4 scales, fp8 codes)
+    by their bits (e4m3fn has no inf: 0x7f / 0xff are its NaNs), float scales by value."""
+    if t.dtype == F8:
+        bits = t.view(torch.uint8).clone().reshape(-1)
+        nonzero = (bits & 0x7F).nonzero().flatten().tolist()
+        i = rng.choice(nonzero)
+        bits[i] = rng.choice([0x7F, 0xFF]) if how == "nan" else int(bits[i]) | 0x80
+        return bits.reshape(t.shape).view(F8)
+    flat = t.float().clone().reshape(-1)
+    i = rng.randrange(flat.numel())
+    flat[i] = {"nan": float("nan"), "inf": rng.choice([float("inf"), float("-inf")]),
+               "negative": -(abs(float(flat[i])) or 1.0)}[how]
+    return flat.reshape(t.shape).to(t.dtype)
+
+
+SCALE = {"fp8": ".weight_scale_inv"}
+BAD_VALUES = [(fmt, SCALE.get(fmt, ".weight_scale"), how) for fmt in FORMATS for how in ("nan", "inf", "negative")
+              if not (KIND[fmt] == "nvfp4" and how == "inf")]
+BAD_VALUES += [(fmt, ".weight", "nan") for fmt in FORMATS if KIND[fmt] != "nvfp4"]       # fp8 NaN codes
+
+
+@pytest.mark.parametrize("fmt,part,how", BAD_VALUES, ids=[f"{f}{p}-{h}" for f, p, h in BAD_VALUES])
+def test_non_finite_or_negative_scales_and_nan_codes_are_refused(tmp_path, seed, fmt, part, how):
+    """One NaN, infinite or negative per-tile / per-row / per-tensor / per-group scale (or an fp8 NaN
+    code) is refused when read, naming the file, the tensor and the element, both dequantised (CPU)
+    and kept quantised (CUDA); they loaded, as NaN weights or weights of the wrong sign."""
+    from runtime.config import load_spec
+
+    rng = random.Random(seed)
+    d = _broken(tmp_path, fmt, seed, lambda s: s.__setitem__(W + part, _corrupt(s[W + part], how, rng)))
+    spec = load_spec(d)
+    for load in (lambda: load_weights(Checkpoint(d), spec),
+                 lambda: load_shard(Checkpoint(d), spec, 0, 1, keep_quantised=True)):
+        with pytest.raises(CheckpointError) as exc:
+            load()
+        msg = str(exc.value)
+        assert "model.safetensors" in msg and f"'model.language_model.{W}{part}'" in msg, msg
+        assert "finite" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_nvfp4_scales_stored_as_uint8_bits_load_as_fp8(tmp_path, seed, fmt):
+    """Some exporters store NVFP4 group scales as uint8 (the e4m3fn bits): they decode as fp8, dequantised
+    and kept quantised alike, not as integers."""
+    spec = spec_from_hf(tiny_config(False))
+    a, b = tmp_path / "fp8", tmp_path / "u8"
+    for d, view in ((a, False), (b, True)):
+        stored, _ = quantise(random_weights(spec, seed), fmt, seed)
+        if view:
+            stored = {n: t.view(torch.uint8) if t.dtype == F8 else t for n, t in stored.items()}
+        write_checkpoint(str(d), stored)
+    want, got = (load_weights(Checkpoint(d), spec_from_hf({**tiny_config(False), "quantization_config": QCONFIG[fmt]}))
+                 for d in (a, b))
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    spec = spec_from_hf({**tiny_config(False), "quantization_config": QCONFIG[fmt]})
+    kept = load_shard(Checkpoint(b), spec, 0, 1, keep_quantised=True)
+    for n, t in kept.items():
+        if isinstance(t, QuantWeight):
+            assert rel(t.dequantize(torch.float32), want[n]) < 1e-6, n      # 1/divisor: one more rounding
