@@ -21,7 +21,8 @@ the config's module lists (modules_to_not_convert, exclude_modules, ignore) need
 
 Activation scales (``input_scale``, ``input_global_scale``), compressed-tensors' ``weight_shape`` and
 ModelOpt's KV-cache scales (``k_scale`` / ``v_scale``) are accepted and not used: activations and the
-KV cache stay 16-bit (or --kv-dtype int8).
+KV cache stay 16-bit (or --kv-dtype int8). They must sit beside a weight or attention layer the config
+has (ranks.weights.validate); one that scales nothing is an unexpected tensor.
 
 The CUDA backend keeps the linear weights its kernels read quantised (KEPT: attention, GDN and MLP /
 shared-expert projections) where a rank's slice falls on the format's block boundaries, as
@@ -122,6 +123,9 @@ def _fp8(tensors: dict, name: str, scale_name: str) -> QuantTensor:
     w = _need(tensors, name, scale_name)
     s = tensors[scale_name]
     leaf = scale_name.rsplit(".", 1)[-1]
+    if w.dtype == "U8" and leaf == "weight_scale" and name + "_scale_2" not in tensors:
+        raise QuantCheckpointError(f"{_where(w)} holds uint8 codes with a weight_scale, as ModelOpt NVFP4 stores "
+                                   f"them, but its global scale {name + '_scale_2'!r} is missing")
     if w.dtype != "F8_E4M3" or len(w.shape) != 2:
         raise QuantCheckpointError(f"{_where(w)} has dtype {w.dtype} and shape {list(w.shape)}; a weight with "
                                    f"a {leaf} must be float8_e4m3fn [out, in] (2-D)")

@@ -384,6 +384,15 @@ def validate(ckpt: Checkpoint, spec: ModelSpec) -> Layout:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"{info.file}: unexpected tensor {info.key!r}{more}: the config "
                               f"({spec.source}) has no place for it")
+    for name in sorted(unused):             # accepted unused, but only beside what they scale
+        base = name.rsplit(".", 1)[0]
+        kv = name.endswith((".k_scale", ".v_scale"))
+        if base + ".weight" in expected or (kv and base.removesuffix(".attn") + ".q_proj.weight" in expected):
+            continue
+        info = ckpt.tensors[name]
+        raise CheckpointError(f"{info.file}: unexpected tensor {info.key!r}: an activation / KV-cache scale, but "
+                              f"the config ({spec.source}) has no {'attention layer' if kv else 'weight'} "
+                              f"{base!r} for it")
     for name in sorted(expected):
         q = quant.get(name)
         if q is not None:

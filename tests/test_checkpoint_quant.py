@@ -496,3 +496,42 @@ def test_nvfp4_scales_stored_as_uint8_bits_load_as_fp8(tmp_path, seed, fmt):
     for n, t in kept.items():
         if isinstance(t, QuantWeight):
             assert rel(t.dequantize(torch.float32), want[n]) < 1e-6, n      # 1/divisor: one more rounding
+
+
+ORPHANS = {
+    "input_scale_of_no_weight": ("modelopt", "layers.0.linear_attn.in_proj_y.input_scale"),
+    "input_global_scale_of_no_layer": ("compressed-tensors", "layers.9.mlp.down_proj.input_global_scale"),
+    "weight_shape_of_no_weight": ("compressed-tensors", "layers.1.mlp.gate_up.weight_shape"),
+    "k_scale_of_a_gdn_layer": ("modelopt", "layers.0.self_attn.k_scale"),
+    "v_scale_of_no_layer": ("modelopt-fp8", "layers.12.self_attn.v_proj.v_scale"),
+}
+
+
+@pytest.mark.parametrize("fmt,name", ORPHANS.values(), ids=ORPHANS.keys())
+def test_activation_and_kv_scales_of_nothing_are_refused(tmp_path, seed, fmt, name):
+    """Activation / KV-cache scales are accepted unused beside the weight or attention layer they belong
+    to (ModelOpt's self_attn.k_proj.k_scale, compressed-tensors' self_attn.k_scale); one that belongs to
+    nothing the config has is an unexpected tensor, as any other (it was silently ignored)."""
+    from runtime.config import load_spec
+
+    value = torch.rand((), generator=torch.Generator().manual_seed(seed)) + 0.1
+    kv = ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale", "self_attn.k_scale", "self_attn.v_scale")
+    ok = _broken(tmp_path / "ok", fmt, seed, lambda s: s.update({"layers.3." + n: value.clone() for n in kv}))
+    validate(Checkpoint(ok), load_spec(ok))
+    d = _broken(tmp_path / "bad", fmt, seed, _put(name, value))
+    with pytest.raises(CheckpointError) as exc:
+        validate(Checkpoint(d), load_spec(d))
+    msg = str(exc.value)
+    assert "model.safetensors" in msg and f"'model.language_model.{name}'" in msg and "unexpected" in msg, msg
+
+
+def test_nvfp4_codes_without_their_weight_scale_2_say_so(tmp_path, seed):
+    """A ModelOpt NVFP4 weight whose weight_scale_2 is missing reads as an fp8 weight with a weight_scale;
+    the message names the missing global scale rather than only asking for float8_e4m3fn."""
+    from runtime.config import load_spec
+
+    d = _broken(tmp_path, "modelopt", seed, _drop(W + ".weight_scale_2"))
+    with pytest.raises(CheckpointError) as exc:
+        validate(Checkpoint(d), load_spec(d))
+    msg = str(exc.value)
+    assert f"'model.language_model.{W}.weight'" in msg and f"{W}.weight_scale_2" in msg and "missing" in msg, msg
