@@ -216,12 +216,13 @@ class Scheduler:
         None (plan normally once `inflight` is committed) when that needs the result: speculation,
         a sequence of `inflight` that does not sample, whose next token the thinking budget may
         replace or whose next token's allowed ids depend on this one (a grammar), a running sequence not in `inflight` (a prompt still waiting for its chunk), or a
-        waiting request that could be admitted now. A sequence that ends by length in `inflight` is
+        waiting request that could be admitted now (counting the pages a prefix-cache hit shares and
+        those evicting entries would free: a step planned ahead never delays an admission). A sequence that ends by length in `inflight` is
         left out; one that ends otherwise (a stop id) costs the ranks one wasted column, which
         commit() ignores (the sequence is done by then)."""
         if self.config.spec_draft_tokens or inflight.drafts is not None:
             return None
-        if self.waiting and self.free_slots and self.pages_for(self.waiting[0]) <= len(self.free_pages):
+        if self.waiting and self.free_slots and self._admissible(self.waiting[0]):
             return None
         planned = {s.id for s in inflight.seqs}
         if any(s.id not in planned for s in self.running):
@@ -356,17 +357,28 @@ class Scheduler:
         self._drop(reversed(e.pages))
         self.cache_stats["evicted"] += 1
 
-    def _evict_for(self, need: int, keep=None) -> None:
-        """Evict least recently used entries (never `keep`) until `need` pages are free; nothing when
-        even evicting them all would not free enough (pages running sequences share stay held)."""
+    def _admissible(self, s: Sequence) -> bool:
+        """Whether _admit would admit `s` now (given a free slot): its pages, less those a cache hit
+        shares, are free or would be once entries are evicted."""
+        hit = self._lookup(s)
+        need = self.pages_for(s) - (len(hit.pages) if hit is not None else 0)
+        return need <= len(self.free_pages) + self._evictable(keep=hit)
+
+    def _evictable(self, keep=None) -> int:
+        """Pages that evicting every entry but `keep` would free (those only entries hold)."""
         if self.cache is None:
-            return
+            return 0
         holders: dict[int, int] = {}
         for e in self.cache.entries:
             if e is not keep:
                 for p in e.pages:
                     holders[p] = holders.get(p, 0) + 1
-        if need > len(self.free_pages) + sum(1 for p, n in holders.items() if self.refs[p] == n):
+        return sum(1 for p, n in holders.items() if self.refs[p] == n)
+
+    def _evict_for(self, need: int, keep=None) -> None:
+        """Evict least recently used entries (never `keep`) until `need` pages are free; nothing when
+        even evicting them all would not free enough (pages running sequences share stay held)."""
+        if self.cache is None or need > len(self.free_pages) + self._evictable(keep):
             return
         while need > len(self.free_pages):
             victim = self.cache.lru(keep)

@@ -383,3 +383,41 @@ def test_follow_up_turns_report_cached_tokens_through_the_apis():
         u = r["usage"]
         assert u["cache_read_input_tokens"] > 0 and u["cache_read_input_tokens"] % PAGE_SIZE == 0
         assert u["input_tokens"] >= 1              # the new part is computed
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_a_step_planned_ahead_never_delays_an_admission(trial, seed):
+    """The coordinator plans the next decode step ahead (Scheduler.plan_ahead) and only admits when it
+    does not: so plan_ahead must decline whenever the first waiting request could be admitted now,
+    also when that takes evicting entries or sharing a hit's pages (free pages alone too few). Checked
+    against admission itself, run on a copy of the scheduler at each step planned ahead."""
+    import copy
+
+    rng = random.Random(seed + trial)
+    cfg = SchedulerConfig(max_concurrency=rng.choice([2, 3]), max_pending=64, prefill_chunk=rng.choice([48, 200]),
+                          max_step_tokens=256, kv_pages=rng.choice([8, 10, 14]), max_context=600,
+                          prefix_cache=rng.choice([1, 2, 4]))
+    sch = Scheduler(cfg)
+    roots = [[rng.randrange(50) for _ in range(rng.randint(100, 400))] for _ in range(3)]
+    ids, inflight, checked = iter(range(1, 10**6)), None, 0
+    for _ in range(1500):
+        if len(sch.waiting) < 3 and rng.random() < 0.3:
+            root = rng.choice(roots)
+            prompt = root[:rng.randint(1, len(root))] + [rng.randrange(50) for _ in range(rng.randint(0, 20))]
+            n = rng.randint(1, 120)
+            s = Sequence(next(ids), prompt, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), seed=0,
+                         max_new_tokens=min(n, 600 - len(prompt)), stop_ids=frozenset())
+            if s.max_new_tokens > 0 and sch.pages_for(s) <= cfg.kv_pages:
+                sch.add(s)
+        if inflight is None:
+            inflight = sch.schedule()
+            if inflight is None:
+                continue
+        twin = copy.deepcopy(sch)
+        ahead = sch.plan_ahead(inflight)
+        if sch.waiting and twin._admit([]):
+            assert ahead is None, "a step was planned ahead while a waiting request could be admitted"
+            checked += 1
+        sch.commit(inflight, {s.id: rng.randrange(50) for s, smp in zip(inflight.seqs, inflight.sample) if smp})
+        inflight = ahead
+    assert checked, "no request became admissible while steps were planned ahead: the trial tested nothing"
