@@ -50,6 +50,7 @@ def step_sizes(device: str, max_concurrency: int, prefill_chunk: int | None = No
 
 
 MAX_CONCURRENCY = 4096                   # sequences at once: each holds a GDN state slot on every rank
+                                         # (also the most prefix-cache entries: a snapshot slot each)
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ class EngineOptions:
             raise ValueError(f"max_concurrency must be 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
         if not 0 <= self.spec_draft_tokens <= 5:
             raise ValueError(f"spec_draft_tokens must be 0 (off) or 1..5, got {self.spec_draft_tokens}")
-        if self.prefix_cache is not None and self.prefix_cache < 0:
-            raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
+        if self.prefix_cache is not None and not 0 <= self.prefix_cache <= MAX_CONCURRENCY:
+            raise ValueError(f"prefix_cache must be 0..{MAX_CONCURRENCY} (0 = off), got {self.prefix_cache}")
         if self.spec_draft_vocab < 0:
             raise ValueError(f"spec_draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.spec_draft_vocab}")
         if self.backend not in ("auto", "cuda", "reference"):

@@ -192,10 +192,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--kv-capacity", type=_positive_int, default=None,
                    help="tokens of KV in the pool (default: room for max-concurrency sequences of max-context tokens, "
                         "in whole pages of 64, plus speculation's slack)")
-    s.add_argument("--prefix-cache", type=_count, default=None, metavar="N",
+    s.add_argument("--prefix-cache", type=_int_range(0, MAX_CONCURRENCY), default=None, metavar="N",
                    help="prompt-prefix cache entries: a request whose prompt begins with an earlier one's prefills "
                         "only the rest (one GDN state snapshot per entry on every rank; its KV pages stay in the "
-                        "pool until evicted); 0 turns it off (default: max-concurrency)")
+                        f"pool until evicted); 0..{MAX_CONCURRENCY}, 0 turns it off (default: max-concurrency)")
     s.add_argument("--threads-per-rank", type=_positive_int, default=None,
                    help="torch threads per rank process (default 1)")
     s.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",

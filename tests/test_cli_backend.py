@@ -220,3 +220,22 @@ def test_sizes_past_what_an_engine_can_hold_are_refused_before_listening(capsys)
     assert main(["serve", "--port", "0", "--kv-capacity", str(MAX_KV_TOKENS + random.randrange(1, 10**9))]) == 2
     err = capsys.readouterr().err
     assert "KV pool" in err and "--kv-capacity" in err, err
+
+
+def test_prefix_cache_entries_past_max_concurrency_are_refused(capsys):
+    """Each prefix-cache entry is a GDN state snapshot on every rank, as costly as a state slot, so
+    --prefix-cache (EngineOptions.prefix_cache) takes 0..MAX_CONCURRENCY like --max-concurrency: a
+    billion entries made the coordinator build a billion-element snapshot-slot list (~40 GB) and every
+    rank reserve a billion snapshots."""
+    from runtime import EngineOptions
+    from runtime.engine import MAX_CONCURRENCY
+    from server.cli import build_parser
+    big = MAX_CONCURRENCY + random.randrange(1, 10**9)
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--prefix-cache", str(big)])
+    assert e.value.code == 2 and "argument --prefix-cache" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prefix_cache"):
+        EngineOptions(prefix_cache=big)
+    for n in (0, MAX_CONCURRENCY):
+        assert build_parser().parse_args(["serve", "--prefix-cache", str(n)]).prefix_cache == n
+        assert EngineOptions(prefix_cache=n).prefix_cache == n
