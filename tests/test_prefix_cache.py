@@ -349,6 +349,122 @@ def test_engine_penalised_sampling_counts_the_cached_prompt(tiny, seed):
         eng.shutdown()
 
 
+def test_engine_stress_concurrent_conversations_cancellations_and_constant_eviction(tiny, seed):
+    """The strongest mix: conversations that grow by their own replies, branch and repeat, prompts at
+    page boundaries and at the frontier's margin, a few very short ones, sent in concurrent waves to
+    an engine with one cache entry and a pool of 12 pages (entries are evicted for snapshots and for
+    pages all the time), some cancelled at once or after their first token, with and without MTP
+    speculation. Every greedy or seeded, penalised request that ran to its end has the reference's
+    ids (their paths redrawn away from near ties); once idle nothing is held but what the entry
+    keeps, and a request needing the whole pool is still served."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import MARGIN, _NearTie
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    V, pool, ctx = ref.V, 12, 768
+
+    def clear(prefix: list[int], extra: int, p: SamplingParams) -> tuple[list[int], list[int]] | None:
+        """prefix + `extra` fresh tokens (redrawn on a near tie) and the reference's ids."""
+        for _ in range(8):
+            prompt = prefix + [rng.randrange(V) for _ in range(extra)]
+            try:
+                return prompt, ref.sample(prompt, p, MARGIN)[0]
+            except _NearTie:
+                continue
+        return None
+
+    spec_k = rng.choice([0, 2])
+
+    def params() -> SamplingParams:
+        """Greedy, or penalised: seeded sampling (greedy under speculation, whose sampled rounds draw
+        by rejection, not as the reference does)."""
+        n = rng.randint(1, 8)
+        if rng.random() < 0.5:
+            return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=0.0 if spec_k else 0.8, top_k=rng.choice([0, 20]), max_new_tokens=n,
+                              ignore_eos=True, seed=rng.randrange(1 << 30), repetition_penalty=1.4,
+                              presence_penalty=0.3, frequency_penalty=0.2)
+
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=3, max_context=ctx, kv_capacity=pool * PAGE_SIZE,
+                                                      prefill_chunk=rng.choice([48, 64, 100]), max_step_tokens=160,
+                                                      threads_per_rank=1, spec_draft_tokens=spec_k, prefix_cache=1))
+    try:
+        history: list[list[int]] = []               # prompts and their replies, to grow and branch from
+        sent: list[list[int]] = []                  # prompts, in order
+        checked = cancelled = 0
+        for n_wave in range(14):
+            if n_wave >= 6 and eng.stats()["prefix_cache"]["hits"]:
+                break
+            wave = []
+            for _ in range(rng.randint(2, 5)):
+                p, kind = params(), rng.random()
+                if history and kind < 0.45:                      # the next turn of a conversation
+                    case = clear(rng.choice(history[-3:]), rng.randint(1, 20), p)
+                elif history and kind < 0.6:                     # a repeat, or a branch of one
+                    h = rng.choice(history)
+                    case = clear(h[:rng.randint(1, len(h))], rng.randint(0, 3), p)
+                elif kind < 0.85:                                # at a page boundary / the frontier's margin
+                    f = PAGE_SIZE * rng.randint(1, 4)
+                    base = history[0] if history and len(history[0]) > f else []
+                    case = clear(base[:f], f + rng.choice([1, 2, CACHE_MARGIN, CACHE_MARGIN + 1, CACHE_MARGIN + 2])
+                                 - len(base[:f]), p)
+                else:                                            # very short
+                    case = clear([], rng.randint(1, 3), p)
+                if case is not None and len(case[0]) + p.max_new_tokens <= 400:
+                    wave.append((case[0], p, case[1]))
+            streams = [eng.submit(prompt, p) for prompt, p, _ in wave]
+            sent += [prompt for prompt, _, _ in wave]
+            when = [rng.choice(["now", "first", None, None, None, None]) for _ in wave]
+            for st, w in zip(streams, when):
+                if w == "now":
+                    eng.cancel(st.id)
+            first = [st.get(timeout=120) if w == "first" else None for st, w in zip(streams, when)]
+            for st, ev in zip(streams, first):
+                if ev is not None:
+                    eng.cancel(st.id)
+            # alone: a prompt of the wave again (its entry is then the one kept), and a branch 2 to 4
+            # tokens past its frontier, whose first tokens the snapshot's GDN state decides
+            long = [prompt for prompt, _, _ in wave if _frontier(len(prompt))]
+            if long:
+                h = rng.choice(long)
+                f = _frontier(len(h))
+                eng.submit(h, SamplingParams(temperature=0.0, max_new_tokens=1)).result(timeout=120)
+                p = params()
+                case = clear(h[:f + 1], rng.randint(1, 3), p)
+                if case is not None:
+                    wave.append((case[0], p, case[1]))
+                    streams.append(eng.submit(case[0], p))
+                    first.append(None)
+            for (prompt, p, want), st, ev in zip(wave, streams, first):
+                if ev is not None and ev.final:
+                    tokens, reason, error = ev.tokens, ev.finish_reason, ev.error
+                else:
+                    r = st.result(timeout=120)
+                    tokens, reason, error = (ev.tokens if ev else []) + r.tokens, r.finish_reason, r.error
+                assert error is None, error
+                if reason == "cancelled":
+                    cancelled += 1
+                    continue
+                assert tokens == want, f"{len(prompt)}-token prompt, {p}, spec {spec_k}"
+                checked += 1
+                history.append(prompt + tokens)
+        st = eng.stats()
+        assert (st["running"], st["waiting"], st["slots_used"], st["pages_used"]) == (0, 0, 0, 0), st
+        assert st["prefix_entries"] <= 1 and st["pages_cached"] <= 400 // PAGE_SIZE, st
+        assert st["prefix_cache"]["hits"] > 0 and st["prefix_cache"]["evicted"] > 0, st["prefix_cache"]
+        assert checked >= 10, (checked, cancelled)
+        # nothing leaked: a request whose budget is the whole pool (its max_tokens fill the context) is
+        # admitted, evicting the entry, and served
+        n = pool * PAGE_SIZE - 300
+        r = eng.submit([rng.randrange(V) for _ in range(300)],
+                       SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)).result(timeout=120)
+        assert r.finish_reason == "length" and len(r.tokens) == n
+        assert eng.stats()["prefix_cache"]["entries"] == 1 and eng.stats()["pages_used"] == 0
+    finally:
+        eng.shutdown()
+
+
 # ---- through the APIs ---------------------------------------------------------------------------------
 
 def test_follow_up_turns_report_cached_tokens_through_the_apis():
