@@ -337,7 +337,9 @@ class Scheduler:
         """Leave an entry at s.save_at: its pages and, after this step, a snapshot of its slot."""
         f, s.save_at = s.save_at, None
         tokens = s.prompt[:f + 1]
-        if self.cache.find(tokens) is not None:        # the same prefix saved meanwhile
+        same = self.cache.find(tokens)
+        if same is not None:                            # the same prefix saved meanwhile: now recent
+            self.cache.touch(same)
             return
         if not self.cache.free_snaps:
             victim = self.cache.lru()
@@ -381,7 +383,10 @@ class Scheduler:
         if self.cache is None or need > len(self.free_pages) + self._evictable(keep):
             return
         while need > len(self.free_pages):
-            victim = self.cache.lru(keep)
+            # the least recently used entry whose eviction frees a page now (one whose pages running
+            # sequences or other entries also hold frees nothing by itself), else the least recent
+            freeing = [e for e in self.cache.entries if e is not keep and any(self.refs[p] == 1 for p in e.pages)]
+            victim = min(freeing, key=lambda e: e.used) if freeing else self.cache.lru(keep)
             if victim is None:
                 return
             self._evict(victim)

@@ -537,3 +537,37 @@ def test_a_step_planned_ahead_never_delays_an_admission(trial, seed):
         sch.commit(inflight, {s.id: rng.randrange(50) for s, smp in zip(inflight.seqs, inflight.sample) if smp})
         inflight = ahead
     assert checked, "no request became admissible while steps were planned ahead: the trial tested nothing"
+
+
+def test_eviction_for_pages_skips_entries_that_free_none():
+    """Admission short of pages evicts the least recently used entry that frees a page, not an older
+    one whose pages a running request shares (evicting it would free nothing)."""
+    sch = Scheduler(SchedulerConfig(max_concurrency=3, prefill_chunk=512, max_step_tokens=600, kv_pages=10,
+                                    max_context=1000, prefix_cache=3))
+
+    def seq(sid: int, prompt: list[int], max_new: int) -> Sequence:
+        p = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+        return Sequence(sid, prompt, p, seed=0, max_new_tokens=max_new, stop_ids=frozenset())
+
+    def step() -> None:
+        plan = sch.schedule()
+        sch.commit(plan, {x.id: 0 for x, smp in zip(plan.seqs, plan.sample) if smp})
+
+    old_prompt = [1000 + k for k in range(150)]
+    for sid, prompt in ((1, old_prompt), (2, [2000 + k for k in range(150)])):    # entries A (older), B
+        s = seq(sid, prompt, 1)
+        sch.add(s)
+        while not s.done:
+            step()
+    user = seq(3, old_prompt + [7] * 20, 40)           # hits A: A's 2 pages shared with a running request
+    sch.add(user)
+    step()
+    assert user.cached_tokens == 128 and user.status.name == "RUNNING"
+    a, b = sorted(sch.cache.entries, key=lambda e: e.tokens[0])
+    sch.cache.touch(b)                                 # A least recent, but evicting it frees nothing
+    free = len(sch.free_pages)
+    late = seq(4, [3000 + k for k in range(60)], 64 * (free + 2) - 60)      # needs 2 pages more than free
+    sch.add(late)
+    step()
+    assert late.status.name == "RUNNING"
+    assert [e.tokens[0] for e in sch.cache.entries] == [1000]               # B went, A stayed
