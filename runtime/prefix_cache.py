@@ -5,7 +5,8 @@ a copy of its GDN state.
 A hybrid model's state at position F is not just KV: every GDN layer holds a conv window and a
 recurrent state that summarise the whole prefix. So an entry is a *frontier*: while a request
 prefills, its chunk is cut at F (a multiple of the page size, CACHE_MARGIN or more tokens before the
-prompt's end) and the ranks copy the slot's GDN state after that chunk into a snapshot slot
+prompt's end; and, when the prompt branches off an entry's tokens after a page or more, also the last
+page boundary before the branch) and the ranks copy the slot's GDN state after that chunk into a snapshot slot
 (`StepPlan.snapshot_saves`); the entry keeps the F / PAGE_SIZE full KV pages of [0, F) (shared, by
 reference count, with whoever else holds them) and the tokens [0, F] it stands for. A request whose
 prompt matches an entry's tokens and is longer than F + 1 is admitted on those pages plus fresh ones,
@@ -18,7 +19,9 @@ and including token F; and a chat's next turn re-renders the previous one's prom
 tokens (the generation prompt, "<|im_start|>assistant\\n<think>\\n", is not how the history renders
 the answer), so the frontier sits at least CACHE_MARGIN tokens before the prompt's end, where the next
 turn still agrees. Agent loops that resend a growing conversation then prefill only what is new
-since the last turn's frontier.
+since the last turn's frontier. The branch frontier serves conversations that share only a beginning
+(a long system prompt and tool list): the second one computes it once more and leaves an entry at the
+branch, and every later one starts there.
 
 Entries are evicted least recently used: when a snapshot slot is needed for a new entry, and when
 admission needs pages that only entries hold. Requests with prompt_logprobs take no hit (they need
@@ -71,6 +74,13 @@ class PrefixCache:
                 best = e
         return best
 
+    def branch(self, prompt: list[int]) -> int:
+        """The frontier where `prompt` branches off the entries: the last page boundary F such that
+        prompt and some entry's tokens agree on [0, F] (0 when none shares a page). Saving one there
+        lets later prompts that share only that part (a system prompt and tools, say) start from it."""
+        common = max((_common_prefix(prompt, e.tokens) for e in self.entries), default=0)
+        return max(0, (common - 1) // PAGE_SIZE * PAGE_SIZE)
+
     def touch(self, e: Entry, hit: bool = False) -> None:
         e.used = next(self._clock)
         e.hits += hit
@@ -92,3 +102,18 @@ class PrefixCache:
         self.touch(e)
         self.entries.append(e)
         return e
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of a and b (list slices compare at C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n                       # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -190,13 +190,14 @@ class Scheduler:
         for s in self.running:                          # then prefill chunks, oldest first
             if s.prefilling and budget > 0:
                 n = min(self.config.prefill_chunk, len(s.prompt) - s.computed, budget)
-                if s.save_at is not None and s.computed < s.save_at < s.computed + n:
-                    n = s.save_at - s.computed          # the chunk ends on the prefix cache's frontier
+                f = s.save_at[0] if s.save_at else None
+                if f is not None and s.computed < f < s.computed + n:
+                    n = f - s.computed                  # the chunk ends on the prefix cache's frontier
                 seqs.append(s), columns.append(n), sample.append(s.computed + n == len(s.prompt))
                 if drafts is not None:
                     drafts.append(0)
                 budget -= n
-                if s.save_at is not None and s.computed + n == s.save_at:
+                if f is not None and s.computed + n == f:
                     self._save(s, saves)
         released, self.released = self.released, []
         if not seqs:
@@ -316,9 +317,10 @@ class Scheduler:
                 self.cache.touch(hit, hit=True)
                 self.cache_stats["hits"] += hit.frontier
                 loads.append((hit.snap, s.slot))
-            if self.cache is not None:
-                f = self.cache.frontier(len(s.prompt))
-                s.save_at = f if f > s.computed and self.cache.find(s.prompt[:f + 1]) is None else None
+            if self.cache is not None:                  # frontiers to leave: where it branches off, its end
+                points = {self.cache.branch(s.prompt), self.cache.frontier(len(s.prompt))}
+                s.save_at = [f for f in sorted(points)
+                             if f > s.computed and self.cache.find(s.prompt[:f + 1]) is None]
             self.running.append(s)
             new.append(s)
         return new
@@ -334,8 +336,8 @@ class Scheduler:
         return self.cache.lookup(s.prompt)
 
     def _save(self, s: Sequence, saves: list[tuple[int, int]]) -> None:
-        """Leave an entry at s.save_at: its pages and, after this step, a snapshot of its slot."""
-        f, s.save_at = s.save_at, None
+        """Leave an entry at s.save_at[0]: its pages and, after this step, a snapshot of its slot."""
+        f = s.save_at.pop(0)
         tokens = s.prompt[:f + 1]
         same = self.cache.find(tokens)
         if same is not None:                            # the same prefix saved meanwhile: now recent
@@ -409,7 +411,7 @@ class Scheduler:
             self.free_slots.append(s.slot)
             self._drop(reversed(s.pages))
             self.released.append(s.id)
-        s.slot, s.pages, s.save_at = -1, [], None
+        s.slot, s.pages, s.save_at = -1, [], []
 
     def usage(self) -> dict[str, int]:
         """pages_used: pages the running sequences hold; with the prefix cache, pages_cached: pages only

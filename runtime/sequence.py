@@ -52,9 +52,9 @@ class Sequence:
     # params.grammar set: the parser that gives each sampled token's allowed ids (runtime.grammar.Constraint)
     constraint: Any = None
     # prefix cache (runtime/prefix_cache.py): prompt tokens taken from an entry (not computed), the
-    # frontier where this sequence leaves an entry (None: none), whether its lookup was counted
+    # frontiers where this sequence leaves entries (ascending), whether its lookup was counted
     cached_tokens: int = 0
-    save_at: int | None = None
+    save_at: list[int] = field(default_factory=list)
     cache_counted: bool = False
 
     def __post_init__(self) -> None:

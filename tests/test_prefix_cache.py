@@ -244,15 +244,25 @@ def _turns(rng: random.Random, V: int) -> list[list[int]]:
     return [p1, p2, p3, branch, list(p3), other]
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _expected_cached(prompts: list[list[int]]) -> list[int]:
-    """cached_tokens per prompt, run one after another, from the rules (capacity large enough)."""
+    """cached_tokens per prompt, run one after another, from the rules restated (capacity large enough):
+    a hit is the longest entry whose tokens begin the prompt with a token to spare; a prompt leaves
+    entries at its end frontier and at the page boundary before where it branches off an entry."""
     entries, out = [], []
     for p in prompts:
         f = max((len(e) - 1 for e in entries if len(p) >= len(e) + 1 and p[:len(e)] == e), default=0)
         out.append(f)
-        fr = _frontier(len(p))
-        if fr > f and p[:fr + 1] not in entries:
-            entries.append(p[:fr + 1])
+        branch = max(0, (max((_common(p, e) for e in entries), default=0) - 1) // PAGE_SIZE * PAGE_SIZE)
+        for fr in sorted({branch, _frontier(len(p))}):
+            if fr > f and p[:fr + 1] not in entries:
+                entries.append(p[:fr + 1])
     return out
 
 
@@ -312,6 +322,39 @@ def test_engine_turns_hit_the_cache_and_keep_the_reference_ids(tiny, tp, spec_k,
                 assert eng.submit(p, greedy(len(ids))).result(timeout=120).tokens == ids
         finally:
             eng.shutdown()
+
+
+def test_conversations_sharing_a_system_prompt_start_from_its_branch_frontier(tiny, seed):
+    """Three conversations with one long system prompt and their own questions: the first leaves an
+    entry at its end, the second misses it (it branches off before that frontier) but leaves one at
+    the branch point, and the third starts there, with the reference's greedy ids."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import MARGIN, _NearTie, greedy
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    system = [rng.randrange(ref.V) for _ in range(rng.randint(200, 330))]
+    for _ in range(30):
+        # questions long enough that each end frontier lies past the system prompt
+        prompts = [system + [rng.randrange(ref.V) for _ in range(rng.randint(140, 200))] for _ in range(3)]
+        if len({p[len(system)] for p in prompts}) < 3:
+            continue                                  # the questions must differ from their first token
+        try:
+            want = [ref.greedy(p, 8, MARGIN)[0] for p in prompts]
+            break
+        except _NearTie:
+            continue
+    else:
+        pytest.fail("no draw without a near tie")
+    branch = (len(system) - 1) // PAGE_SIZE * PAGE_SIZE
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64,
+                                                      threads_per_rank=1, prefix_cache=4))
+    try:
+        got = [eng.submit(p, greedy(8)).result(timeout=120) for p in prompts]
+    finally:
+        eng.shutdown()
+    assert [r.tokens for r in got] == want
+    assert [r.usage.get("cached_tokens", 0) for r in got] == [0, 0, branch] == _expected_cached(prompts)
 
 
 def test_engine_penalised_sampling_counts_the_cached_prompt(tiny, seed):
