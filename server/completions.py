@@ -155,9 +155,10 @@ def logprobs_object(entries: list | None, offsets: TextOffsets) -> dict | None:
     return out
 
 
-def _usage(usage: dict[str, int]) -> dict[str, int]:
+def _usage(usage: dict[str, int]) -> dict:
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"]}
+            "total_tokens": usage["total_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0) or 0}}
 
 
 async def completions(service: Service, request: Request) -> Response:
@@ -194,7 +195,9 @@ def _batch_usage(usages: list[dict], n: int) -> dict:
     groups = [choices.total_usage(usages[k:k + n]) for k in range(0, len(usages), n)]
     prompt = sum(g["prompt_tokens"] for g in groups)
     completion = sum(g["completion_tokens"] for g in groups)
-    return {**groups[0], "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(g.get("cached_tokens", 0) or 0 for g in groups)       # each prompt's first choice's
+    return {**groups[0], "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "cached_tokens": cached}
 
 
 def _echo_text(service: Service, prepared: Prepared) -> str:

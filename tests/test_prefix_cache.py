@@ -541,6 +541,13 @@ def test_follow_up_turns_report_cached_tokens_through_the_apis():
                 "model": "demo", "system": system, "messages": turn, "max_tokens": 8}).json()
         u = r["usage"]
         assert u["cache_read_input_tokens"] > 0 and u["cache_read_input_tokens"] % PAGE_SIZE == 0
+        text = "def main():\n    return 0\n" * 40                       # completions: a prompt, then a batch
+        first = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": text, "max_tokens": 4}).json()["usage"]
+        batch = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": [text + "x = 1\n", "import os\n" * 3], "max_tokens": 4}).json()["usage"]
+        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+        assert batch["prompt_tokens_details"]["cached_tokens"] == _frontier(first["prompt_tokens"]) > 0
         assert u["input_tokens"] >= 1              # the new part is computed
 
 
