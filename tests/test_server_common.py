@@ -418,36 +418,24 @@ def test_health_is_503_while_loading_then_200():
     assert engine.shut_down
 
 
-def test_a_failed_engine_start_turns_health_503_and_is_fatal():
+@pytest.mark.parametrize("error,words", [(RuntimeError("rank 0 could not load"), "could not load"),
+                                         (MemoryError(), "MemoryError")], ids=["message", "no-message"])
+def test_a_failed_engine_start_turns_health_503_and_is_fatal(error, words):
+    """The loader's failure is in /health and the fatal reason; one whose text is empty (MemoryError()
+    from a --kv-capacity far past the host's memory) is named by its type, not 'the engine failed to
+    start: ' with nothing after it."""
     d = tiny_model_dir()
     fatal = []
 
     def load():
-        raise RuntimeError("rank 0 could not load")
+        raise error
 
     service = _service(None, Tokenizer.from_dir(d), d)
     with running(create_app(service, engine_loader=load, on_fatal=fatal.append)) as url:
         wait_for(lambda: fatal)
         r = httpx.get(url + "/health")
-        assert r.status_code == 503 and "could not load" in r.json()["error"]["message"]
-    assert "could not load" in fatal[0]
-
-
-def test_a_failed_engine_start_without_a_message_still_says_what_failed():
-    """A loader failure whose text is empty (MemoryError() from a --kv-capacity far past the host's memory)
-    is reported by its type, not as 'the engine failed to start: ' with nothing after it."""
-    d = tiny_model_dir()
-    fatal = []
-
-    def load():
-        raise MemoryError()
-
-    service = _service(None, Tokenizer.from_dir(d), d)
-    with running(create_app(service, engine_loader=load, on_fatal=fatal.append)) as url:
-        wait_for(lambda: fatal)
-        r = httpx.get(url + "/health")
-        assert r.status_code == 503 and "MemoryError" in r.json()["error"]["message"]
-    assert "MemoryError" in fatal[0]
+        assert r.status_code == 503 and words in r.json()["error"]["message"]
+    assert words in fatal[0]
 
 
 def test_killing_a_rank_fails_in_flight_requests_and_turns_health_503():
