@@ -378,7 +378,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                     backend=args.backend, weights=args.weights,
                                     kv_dtype=args.kv_dtype,
                                     cuda_graphs=args.cuda_graphs, random_weights=args.random_weights,
-                                    transport=args.transport)
+                                    transport=args.transport, prefix_cache=0)     # one request: nothing to reuse
             with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:
                 for event in engine.submit(prompt_ids, params, stop_token_ids=extra_eos if not args.ignore_eos
                                            else None):
