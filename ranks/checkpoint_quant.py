@@ -173,6 +173,11 @@ def _tiles(sl: slice | None, n: int, size: int) -> tuple[int, int]:
     return a // size * size, min(n, -(-b // size) * size)
 
 
+def _tile_index(r0: int, r1: int, c0: int, c1: int) -> tuple[slice, slice]:
+    """The 128x128 tile scales covering rows [r0, r1) x columns [c0, c1) of an fp8_block weight."""
+    return slice(r0 // BLOCK, -(-r1 // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK))
+
+
 def _bounds(sl: slice | None, n: int) -> tuple[int, int]:
     a, b, step = (sl or slice(None)).indices(n)
     if step != 1:
@@ -245,7 +250,7 @@ def read(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | None = N
         if r0 % BLOCK or (r1 % BLOCK and r1 != N) or c0 % BLOCK or (c1 % BLOCK and c1 != K):
             return None
         data = _codes(ckpt, q.data, r0, r1, c0, c1)
-        scale = _scales(ckpt, q.scale, (slice(r0 // BLOCK, -(-r1 // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK))))
+        scale = _scales(ckpt, q.scale, _tile_index(r0, r1, c0, c1))
         return QuantWeight("fp8_block", r1 - r0, c1 - c0, data, scale.contiguous())
     if c0 % GROUP or c1 % GROUP:
         return None
@@ -273,7 +278,7 @@ def dequantised(ckpt, q: QuantTensor, rows: slice | None = None, cols: slice | N
         R0, R1 = _tiles(slice(r0, r1), N, BLOCK)
         C0, C1 = _tiles(slice(c0, c1), K, BLOCK)
         codes = _codes(ckpt, q.data, R0, R1, C0, C1)
-        s = _scales(ckpt, q.scale, (slice(R0 // BLOCK, -(-R1 // BLOCK)), slice(C0 // BLOCK, -(-C1 // BLOCK))))
+        s = _scales(ckpt, q.scale, _tile_index(R0, R1, C0, C1))
         s = s.repeat_interleave(BLOCK, 0)[:R1 - R0].repeat_interleave(BLOCK, 1)[:, :C1 - C0]
         w = fp8_to_float(codes) * s
         w = w[r0 - R0:r1 - R0, c0 - C0:c1 - C0]

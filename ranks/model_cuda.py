@@ -594,9 +594,8 @@ def _fuse_gate_up(weights: dict[str, Tensor | QuantWeight]) -> None:
         del gate, up
         half = _out_features(fused) // 2
         weights[base + "gate_up_proj.weight"] = fused
-        weights[name] = cl.weight_rows(fused, 0, half) if isinstance(fused, QuantWeight) else fused[:half]
-        weights[base + "up_proj.weight"] = (cl.weight_rows(fused, half, 2 * half) if isinstance(fused, QuantWeight)
-                                            else fused[half:])
+        weights[name] = cl.weight_rows(fused, 0, half)
+        weights[base + "up_proj.weight"] = cl.weight_rows(fused, half, 2 * half)
 
 
 # The shared expert folded into the routed experts for decode (_fold_shared_experts): names under

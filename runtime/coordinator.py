@@ -43,15 +43,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_KV_TOKENS = 1 << 30          # tokens of KV one engine may hold (2^24 pages; ~64 TB for the 27B)
 
 
-def kv_pool_tokens(options, max_context: int) -> int:
+def kv_pool_tokens(options, max_context: int,
+                   names: tuple[str, str, str] = ("max_concurrency", "max_context", "kv_capacity")) -> int:
     """Tokens of KV in the pool: options.kv_capacity, or by default room for max_concurrency sequences
-    of max_context tokens in whole pages with speculation's slack; ValueError past MAX_KV_TOKENS."""
+    of max_context tokens in whole pages with speculation's slack; ValueError past MAX_KV_TOKENS, naming
+    the three settings as `names` spells them (the CLI passes its flags)."""
     per_seq = -(-(max_context + 2 * options.spec_draft_tokens) // PAGE_SIZE)
     kv_tokens = options.kv_capacity or options.max_concurrency * per_seq * PAGE_SIZE
     if kv_tokens > MAX_KV_TOKENS:    # the page lists alone would exhaust the host's memory
-        raise ValueError(f"a KV pool of {kv_tokens} tokens (max_concurrency {options.max_concurrency} x "
-                         f"max_context {max_context}, or kv_capacity) exceeds {MAX_KV_TOKENS}; lower "
-                         "max_concurrency, max_context or kv_capacity")
+        conc, ctx, cap = names
+        raise ValueError(f"a KV pool of {kv_tokens} tokens ({conc} {options.max_concurrency} x {ctx} "
+                         f"{max_context}, or {cap}) exceeds {MAX_KV_TOKENS}; lower {conc}, {ctx} or {cap}")
     return kv_tokens
 
 

@@ -103,10 +103,9 @@ def serve(args, argv: list[str]) -> int:
                             overlap_steps=args.overlap_steps, device_feed=args.device_feed)
     from runtime.coordinator import kv_pool_tokens
     try:
-        kv_pool_tokens(options, max_context)            # before anything listens (exit 2)
-    except ValueError as e:
-        return _fail(str(e).replace("max_concurrency", "--max-concurrency").replace("max_context", "--max-context")
-                     .replace("kv_capacity", "--kv-capacity"))
+        kv_pool_tokens(options, max_context, ("--max-concurrency", "--max-context", "--kv-capacity"))  # exit 2
+    except ValueError as e:                             # before anything listens
+        return _fail(str(e))
     model_id = args.model_id or (os.path.basename(os.path.normpath(model_dir)) if args.model_dir else "tandem-demo")
     try:
         request_log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None
