@@ -40,12 +40,17 @@ class Batch:
                  0 means a fresh sequence (its GDN state starts from zeros, whatever the slot holds)
     slots        [B] GDN state slot per sequence
     page_tables  [B, max_pages] int32 KV page ids (entries past a sequence's need are ignored)
+    saves        (b, u, snap): after the first u columns of sequence b (0 < u < columns[b]), copy its
+                 GDN state (every layer's conv window and recurrent state) to snapshot slot `snap`
+                 (ModelState.reserve_snapshots): the prefix cache's frontier inside a prefill chunk,
+                 which then needs no step of its own. Long (prefill) steps only on the CUDA backend.
     """
     token_ids: Tensor
     columns: list[int]
     starts: list[int]
     slots: list[int]
     page_tables: Tensor
+    saves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         B = len(self.columns)
@@ -56,6 +61,14 @@ class Batch:
             raise ValueError(f"token_ids has shape {tuple(self.token_ids.shape)}; columns sum to {sum(self.columns)}")
         if any(c < 1 for c in self.columns):
             raise ValueError(f"every sequence needs at least one column, got {self.columns}")
+        for b, u, snap in self.saves:
+            if not (0 <= b < B and 0 < u < self.columns[b] and snap >= 0):
+                raise ValueError(f"save {(b, u, snap)}: needs a sequence of the batch and 0 < u < its "
+                                 f"{self.columns[b] if 0 <= b < B else '?'} columns")
+
+    def saves_of(self, b: int) -> list[tuple[int, int]]:
+        """(u, snap) of sequence b's in-step snapshot saves, in column order."""
+        return sorted((u, snap) for i, u, snap in self.saves if i == b)
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -193,6 +206,8 @@ class HybridModel:
         """
         if isinstance(keep_columns, bool):
             keep_columns = [keep_columns] * len(batch.columns)
+        if any(keep_columns[b] for b, _, _ in batch.saves):
+            raise ValueError("a verification sequence (keep_columns) cannot save a snapshot inside the step")
         kept = None
         if any(keep_columns):
             idx = [b for b, f in enumerate(keep_columns) if f]
@@ -227,7 +242,8 @@ class HybridModel:
                 continue
             cols = [c for b in idx for c in range(starts_at[b], starts_at[b + 1])]
             sub = Batch(batch.token_ids[cols], [batch.columns[b] for b in idx], [batch.starts[b] for b in idx],
-                        [batch.slots[b] for b in idx], batch.page_tables[idx])
+                        [batch.slots[b] for b in idx], batch.page_tables[idx],
+                        [(idx.index(b), u, snap) for b, u, snap in batch.saves if b in idx])
             out = self.forward(sub, state, logits, keep_columns=flag)
             if out.kept is not None:
                 out.kept = dataclasses.replace(out.kept, seqs=[idx[i] for i in out.kept.seqs])
@@ -364,15 +380,23 @@ class HybridModel:
             if self._keep is not None and self._keep[b]:
                 out[lo:hi] = self._gdn_kept(j, qkv[lo:hi], conv_w, g[lo:hi], beta[lo:hi], slot, fresh, state)
                 continue
-            y, conv_state = ops.causal_conv1d(qkv[lo:hi], conv_w, None if fresh else state.conv[j][slot])
+            old = None if fresh else state.conv[j][slot]
+            y, conv_state = ops.causal_conv1d(qkv[lo:hi], conv_w, old)
             q, k, v = torch.split(y, [HK * DK, HK * DK, HV * DV], dim=-1)
             T = hi - lo
             q, k = ops.gdn_prepare_qk(q.view(T, HK, DK), k.view(T, HK, DK), HV // HK)
-            o, rec = ops.gated_delta_rule(q, k, v.reshape(T, HV, DV), g[lo:hi], beta[lo:hi],
-                                          None if fresh else state.recurrent[j][slot])
+            v = v.reshape(T, HV, DV)
+            rec = None if fresh else state.recurrent[j][slot]
+            at = 0
+            for u, snap in batch.saves_of(b) + [(T, None)]:     # the rule in parts, split at the saves
+                o, rec = ops.gated_delta_rule(q[at:u], k[at:u], v[at:u], g[lo + at:lo + u], beta[lo + at:lo + u], rec)
+                out[lo + at:lo + u] = o.to(self.dtype)
+                if snap is not None:                    # the state after u columns: window and rule
+                    state.snap_conv[j][snap] = ops.causal_conv1d(qkv[lo:lo + u], conv_w, old)[1]
+                    state.snap_recurrent[j][snap] = rec
+                at = u
             state.conv[j][slot] = conv_state
             state.recurrent[j][slot] = rec
-            out[lo:hi] = o.to(self.dtype)
         y = ops.gated_rms_norm(out, z, w[p + "norm.weight"], s.rms_norm_eps).reshape(N, HV * DV)
         return self.all_reduce(self._linear(y, w[p + "out_proj.weight"]))
 

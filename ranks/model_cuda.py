@@ -195,6 +195,7 @@ class CudaHybridModel(HybridModel):
         self._meta_pinned: Tensor | None = None
         self._meta_copied: torch.cuda.Event | None = None
         self._keep_scratch: list[Tensor] | None = None
+        self._rule_parts_of: tuple | None = None        # (host batch, _rule_parts) of the latest long step that saves
 
     # ----------------------------------------------------------------------------------------------
     # Entry points
@@ -217,7 +218,8 @@ class CudaHybridModel(HybridModel):
             # a speculation step with some undrafted one-column sequences: keep those too (committing
             # a = 0 installs exactly their one-column state), so the step stays on the fast path
             flags = [True] * len(flags)
-        fast = max(batch.columns) <= MAX_FAST_COLUMNS and (all(flags) or not any(flags))
+        # in-step snapshot saves (Batch.saves) split the GDN rule: the eager long program does that
+        fast = max(batch.columns) <= MAX_FAST_COLUMNS and (all(flags) or not any(flags)) and not batch.saves
         if not fast:
             if any(flags) and not all(flags) and max(c for c, f in zip(batch.columns, flags) if f) <= MAX_FAST_COLUMNS:
                 # a speculation step that also carries prompt chunks (or undrafted sequences of more
@@ -445,7 +447,8 @@ class CudaHybridModel(HybridModel):
                 kept.conv_in[j].append(qkv[lo:hi].clone())
                 kept.states[j].append(keep_states[lo:hi])
         return self._gdn_out(p, qkv, z, a, b, state, j, db.slots, db.cu_seqlens, db.fresh, keep_states,
-                             max_columns=None if db.host is None else max(db.host.columns))
+                             max_columns=None if db.host is None else max(db.host.columns),
+                             saving=db.host if db.host is not None and db.host.saves else None)
 
     def _gdn_in(self, p: str, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]; one launch
@@ -469,18 +472,88 @@ class CudaHybridModel(HybridModel):
 
     def _gdn_out(self, p: str, qkv: Tensor, z: Tensor, a: Tensor, b: Tensor, state: ModelState, j: int,
                  slots: Tensor, cu_seqlens: Tensor, fresh: Tensor, keep_states: Tensor | None = None,
-                 max_columns: int | None = None) -> Tensor:
+                 max_columns: int | None = None, saving: Batch | None = None) -> Tensor:
         """Conv, gated delta rule, gated norm and out_proj (+ all-reduce) over every sequence's
-        columns; with keep_states the live state is left alone (verification)."""
+        columns; with keep_states the live state is left alone (verification). saving: a long step's
+        host batch with in-step snapshot saves (Batch.saves): each save point's conv window is copied
+        before the conv, and the rule runs in parts split at the save points (_rule_parts)."""
         s, w, q = self.spec, self.w, p + "linear_attn."
         conv_w = w[q + "conv1d.weight"].view(w[q + "conv1d.weight"].shape[0], -1)
+        if saving is not None:
+            self._save_conv_windows(qkv, state, j, saving)
         y = cg.conv1d(qkv, conv_w, state.conv[j], slots, cu_seqlens, fresh, update_state=keep_states is None,
                       max_columns=max_columns)
-        o = cg.gated_delta_rule(y, a, b, w[q + "A_log"], w[q + "dt_bias"], state.recurrent[j], slots, cu_seqlens,
-                                fresh, self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim,
-                                keep_states=keep_states, max_columns=max_columns)
+        rule = (w[q + "A_log"], w[q + "dt_bias"], state.recurrent[j])
+        dims = (self.hk, self.hv, s.linear_key_head_dim, s.linear_value_head_dim)
+        if saving is None:
+            o = cg.gated_delta_rule(y, a, b, *rule, slots, cu_seqlens, fresh, *dims, keep_states=keep_states,
+                                    max_columns=max_columns)
+        else:
+            o = torch.empty(y.shape[0], self.hv, s.linear_value_head_dim, dtype=torch.bfloat16, device=y.device)
+            for r0, r1, p_slots, p_cu, p_fresh, longest, save in self._rule_parts(saving):
+                cg.gated_delta_rule(y[r0:r1], a[r0:r1], b[r0:r1], *rule, p_slots, p_cu, p_fresh, *dims,
+                                    out=o[r0:r1], max_columns=longest)
+                if save is not None:                    # that slot's state after the save point
+                    state.snap_recurrent[j][save[1]].copy_(state.recurrent[j][save[0]])
         o = cg.gated_rms_norm(o, z, w[q + "norm.weight"], s.rms_norm_eps)
         return self.all_reduce(self._linear(o, w[q + "out_proj.weight"]))
+
+    @staticmethod
+    def _save_conv_windows(qkv: Tensor, state: ModelState, j: int, host: Batch) -> None:
+        """The conv window at each in-step save point of GDN layer j into its snapshot: the K-1 pre-conv
+        inputs before the point, reaching back into the slot's window (zeros for a fresh sequence)
+        where the point is that close to the step's start; taken before the conv moves the window."""
+        for b, (lo, _) in enumerate(host.bounds):
+            for u, snap in host.saves_of(b):
+                old = state.conv[j][host.slots[b]]                          # [C, K-1], oldest first
+                K1 = old.shape[-1]
+                if u >= K1:
+                    win = qkv[lo + u - K1:lo + u].t()
+                else:
+                    win = torch.cat([old if host.starts[b] else torch.zeros_like(old), qkv[lo:lo + u].t()], 1)[:, -K1:]
+                state.snap_conv[j][snap].copy_(win)
+
+    def _rule_parts(self, host: Batch) -> list[tuple]:
+        """A long step's gated delta rule split at its in-step saves, as launches over contiguous row
+        ranges: each sequence's columns cut at its save points, and a launch ends with every segment
+        that ends at one (after it, that slot's state is the snapshot's). Per launch (r0, r1, slots,
+        cu_seqlens, fresh, longest, (slot, snapshot) or None), the int32 tensors uploaded once per step
+        (every GDN layer's rule splits alike)."""
+        if self._rule_parts_of is not None and self._rule_parts_of[0] is host:
+            return self._rule_parts_of[1]
+        segments = []                                                       # (b, c0, c1, snapshot at c1)
+        for b, c in enumerate(host.columns):
+            at = 0
+            for u, snap in host.saves_of(b) + [(c, None)]:
+                segments.append((b, at, u, snap))
+                at = u
+        groups, cur = [], []
+        for seg in segments:
+            cur.append(seg)
+            if seg[3] is not None:
+                groups.append(cur)
+                cur = []
+        if cur:
+            groups.append(cur)
+        bounds, words, shapes = host.bounds, [], []
+        for g in groups:
+            lens = [c1 - c0 for _, c0, c1, _ in g]
+            words += [host.slots[b] for b, *_ in g] + [0] + np.cumsum(lens).tolist() + \
+                [1 if c0 == 0 and host.starts[b] == 0 else 0 for b, c0, _, _ in g]
+            shapes.append(len(g))
+        dev = torch.tensor(words, dtype=torch.int32).to(self.device)
+        parts, at = [], 0
+        for g, B in zip(groups, shapes):
+            p_slots, p_cu, p_fresh = dev[at:at + B], dev[at + B:at + 2 * B + 1], dev[at + 2 * B + 1:at + 3 * B + 1]
+            at += 3 * B + 1
+            b0, c0 = g[0][0], g[0][1]
+            r0 = bounds[b0][0] + c0
+            n = sum(c1 - c0 for _, c0, c1, _ in g)
+            last = g[-1]
+            save = (host.slots[last[0]], last[3]) if last[3] is not None else None
+            parts.append((r0, r0 + n, p_slots, p_cu, p_fresh, max(c1 - c0 for _, c0, c1, _ in g), save))
+        self._rule_parts_of = (host, parts)
+        return parts
 
     def _fast_ffn(self, p: str, h: Tensor, long: bool = False) -> Tensor:
         """The FFN; long: a prefill step, whose routed experts run grouped by expert (torch matmuls,

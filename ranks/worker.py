@@ -217,7 +217,7 @@ class Worker:
                 self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
         batch_tokens = torch.from_numpy(np.maximum(tokens, 0))    # fed columns: overwritten from the device
         batch = Batch(batch_tokens, columns, starts, plan.slots.tolist(),
-                      torch.from_numpy(plan.page_tables.astype(np.int32)))
+                      torch.from_numpy(plan.page_tables.astype(np.int32)), self._saves_inside(plan))
         if self.profiler is not None:
             self.profiler.mark("prepared")
         if feed is None:
@@ -275,9 +275,24 @@ class Worker:
         for sid, ids in plan.prompt_tokens.items():
             self.samplers[int(sid)].observe(np.asarray(ids).tolist(), 0)
 
+    @staticmethod
+    def _saves_inside(plan: msg.StepPlan) -> list[tuple[int, int, int]]:
+        """The plan's snapshot saves that fall inside a sequence's columns, as Batch.saves (b, u, snap)."""
+        slots, columns = plan.slots.tolist(), plan.columns.tolist()
+        out = []
+        for slot, snap, u in plan.snapshot_saves:
+            b = slots.index(int(slot))
+            if int(u) < columns[b]:
+                out.append((b, int(u), int(snap)))
+        return out
+
     def _save_snapshots(self, plan: msg.StepPlan) -> None:
-        for slot, snap in plan.snapshot_saves:
-            self.state.save_snapshot(int(slot), int(snap))
+        """The plan's snapshot saves at the end of their sequence's columns (the others were made in
+        the step: Batch.saves)."""
+        slots, columns = plan.slots.tolist(), plan.columns.tolist()
+        for slot, snap, u in plan.snapshot_saves:
+            if int(u) >= columns[slots.index(int(slot))]:
+                self.state.save_snapshot(int(slot), int(snap))
 
     def _set_masks(self, plan: msg.StepPlan) -> None:
         """Structured outputs: each constrained sequence's allowed ids for the token it samples in this
@@ -442,8 +457,8 @@ class Worker:
             lo, hi = bounds[b]
             self.samplers[sid].observe(tokens[lo:hi - ndraft[b]].tolist(), starts[b])
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
-                      torch.from_numpy(plan.page_tables.astype(np.int32)))
-        if self.gpu_rounds is not None:
+                      torch.from_numpy(plan.page_tables.astype(np.int32)), self._saves_inside(plan))
+        if self.gpu_rounds is not None and not batch.saves:
             smp = [self.samplers[sid] for sid in seq_ids]
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]
             if self.gpu_rounds.eligible(batch, ndraft, plan.sample.tolist(),

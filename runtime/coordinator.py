@@ -33,7 +33,7 @@ import zmq
 from runtime.config import PAGE_SIZE, load_spec
 from runtime.engine import EngineError, Event, step_sizes
 from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded, Scheduler, SchedulerConfig
+from runtime.scheduler import IN_STEP_SAVE_MIN_COLUMNS, Overloaded, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, Status
 from transport import control as msg
 from transport.mailbox import create_segment
@@ -85,7 +85,8 @@ class Coordinator:
             pending_timeout_s=options.pending_timeout_s, prefill_chunk=chunk,
             max_step_tokens=step, kv_pages=-(-kv_tokens // PAGE_SIZE), max_context=max_context,
             spec_draft_tokens=options.spec_draft_tokens,
-            prefix_cache=options.max_concurrency if options.prefix_cache is None else options.prefix_cache)
+            prefix_cache=options.max_concurrency if options.prefix_cache is None else options.prefix_cache,
+            snapshot_in_step=IN_STEP_SAVE_MIN_COLUMNS if options.snapshot_in_step else 0)
         self.scheduler = Scheduler(self.config)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, object] = {}

@@ -73,6 +73,9 @@ class EngineOptions:
     spec_draft_vocab: int = 0            # drafts only among token ids below this (a reduced proposal head; 0 = all)
     prefix_cache: int | None = None      # prompt-prefix cache entries (runtime/prefix_cache.py; one GDN state
                                          # snapshot each on every rank); None: max_concurrency; 0: off
+    snapshot_in_step: bool = True        # prefix cache: a frontier inside a prefill chunk of more than 16
+                                         # columns is saved mid-step (Batch.saves); False: the chunk ends
+                                         # there and the rest of the prompt takes a step of its own
     backend: str = "auto"                # "auto" (CUDA kernels for bfloat16 on cuda), "cuda", "reference"
     weights: str = "bf16"                # weight format on the device: bf16 | fp8 | fp8-block | nvfp4
     kv_dtype: str = "bf16"               # KV cache: bf16 (the activation dtype) | int8 (+ fp32 scale per 64 channels)

@@ -33,6 +33,12 @@ class Overloaded(RuntimeError):
     """The pending queue is full; the caller should retry later."""
 
 
+# prefill chunks of at most this many columns end on a prefix-cache frontier rather than save it
+# mid-step (the CUDA backend runs them as graphed steps of its fast program, ranks/model_cuda.py
+# MAX_FAST_COLUMNS, which cannot; an extra short step costs little)
+IN_STEP_SAVE_MIN_COLUMNS = 16
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_concurrency: int = 8          # state slots = sequences running at once
@@ -44,6 +50,9 @@ class SchedulerConfig:
     max_context: int = 8192           # prompt + output tokens per sequence
     spec_draft_tokens: int = 0        # MTP speculation: drafts per round (0 = off)
     prefix_cache: int = 0             # prompt-prefix cache entries (GDN snapshot slots on the ranks; 0 = off)
+    # a prefill chunk of more than this many columns saves a frontier that falls inside it mid-step
+    # (the ranks split the GDN rule there: Batch.saves) instead of ending at it; 0 = always end there
+    snapshot_in_step: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_pending", "prefill_chunk", "max_step_tokens", "kv_pages", "max_context"):
@@ -51,6 +60,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefix_cache < 0:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
+        if self.snapshot_in_step < 0:
+            raise ValueError(f"snapshot_in_step must be >= 0 (0 = never), got {self.snapshot_in_step}")
         if self.max_step_tokens < self.max_concurrency:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_concurrency "
                              f"({self.max_concurrency}) so every running sequence can decode each step")
@@ -70,9 +81,10 @@ class Plan:
     # the ranks sampled for it in the step before (token id -1 in the message)
     starts: list[int] | None = None
     # prefix cache (runtime/prefix_cache.py): GDN snapshot slot -> state slot copies before the step
-    # (sequences admitted on a cached prefix), state slot -> snapshot slot copies after it (frontiers)
+    # (sequences admitted on a cached prefix), and (state slot, snapshot slot, u) copies of a sequence's
+    # state after the first u of its columns in this step (frontiers; u = all its columns: after the step)
     loads: list[tuple[int, int]] = field(default_factory=list)
-    saves: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_arrays(self, max_pages: int) -> dict[str, np.ndarray]:
         B = len(self.seqs)
@@ -190,15 +202,15 @@ class Scheduler:
         for s in self.running:                          # then prefill chunks, oldest first
             if s.prefilling and budget > 0:
                 n = min(self.config.prefill_chunk, len(s.prompt) - s.computed, budget)
-                f = s.save_at[0] if s.save_at else None
-                if f is not None and s.computed < f < s.computed + n:
-                    n = f - s.computed                  # the chunk ends on the prefix cache's frontier
+                inside = [f for f in s.save_at if s.computed < f < s.computed + n]
+                if inside and not (self.config.snapshot_in_step and n > self.config.snapshot_in_step):
+                    n = inside[0] - s.computed          # the chunk ends on the prefix cache's frontier
                 seqs.append(s), columns.append(n), sample.append(s.computed + n == len(s.prompt))
                 if drafts is not None:
                     drafts.append(0)
                 budget -= n
-                if f is not None and s.computed + n == f:
-                    self._save(s, saves)
+                while s.save_at and s.save_at[0] <= s.computed + n:     # frontiers in or at the end of it
+                    self._save(s, saves, s.save_at[0] - s.computed)
         released, self.released = self.released, []
         if not seqs:
             if released:
@@ -335,8 +347,9 @@ class Scheduler:
             self.cache_stats["queries"] += len(s.prompt)
         return self.cache.lookup(s.prompt)
 
-    def _save(self, s: Sequence, saves: list[tuple[int, int]]) -> None:
-        """Leave an entry at s.save_at[0]: its pages and, after this step, a snapshot of its slot."""
+    def _save(self, s: Sequence, saves: list[tuple[int, int, int]], u: int) -> None:
+        """Leave an entry at s.save_at[0]: its pages and a snapshot of its slot after the first u of its
+        columns in this step (its frontier)."""
         f = s.save_at.pop(0)
         tokens = s.prompt[:f + 1]
         same = self.cache.find(tokens)
@@ -354,7 +367,7 @@ class Scheduler:
             self.refs[p] += 1
         self.cache.add(f, tokens, pages, snap)
         self.cache_stats["saved"] += 1
-        saves.append((s.slot, snap))
+        saves.append((s.slot, snap, u))
 
     def _evict(self, e) -> None:
         self.cache.remove(e)

@@ -69,6 +69,125 @@ def test_prefill_resumed_from_a_snapshot_equals_the_whole_prefill(moe, seed):
     assert rel(got, want) < 1e-12
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_snapshots_saved_inside_a_prefill_step_equal_the_state_at_their_frontier(moe, seed):
+    """Batch.saves: sequence A (fresh, and again resumed part-way) prefills in one step past two save
+    points; each snapshot then resumes another sequence exactly as the whole prefill of its tokens,
+    A's own state after the step is the one of the step without saves, and its logits too (float64)."""
+    spec = spec_from_hf(tiny_config(moe))
+    model = HybridModel(spec, random_weights(spec, seed, dtype=torch.float64))
+    g = torch.Generator().manual_seed(seed)
+    F1, F2 = PAGE_SIZE, 3 * PAGE_SIZE
+    a = torch.randint(0, spec.vocab_size, (F2 + 30,), generator=g)
+    start = 5                                         # A's step starts mid-way (its slot holds [0, 5))
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    plain = model.new_state(num_slots=1, num_pages=4)
+    model.forward(Batch(a[:start], [start], [0], [0], table), plain, logits="none")
+    want_a = model.forward(Batch(a[start:], [len(a) - start], [start], [0], table), plain, logits="all").logits
+    state = model.new_state(num_slots=2, num_pages=8)
+    state.reserve_snapshots(2)
+    model.forward(Batch(a[:start], [start], [0], [0], table), state, logits="none")
+    got_a = model.forward(Batch(a[start:], [len(a) - start], [start], [0], table,
+                                saves=[(0, F2 - start, 1), (0, F1 - start, 0)]), state, logits="all").logits
+    assert rel(got_a, want_a) < 1e-12
+    for t, u in zip(state.conv + state.recurrent, plain.conv + plain.recurrent):
+        assert rel(t[0], u[0]) < 1e-12
+    for F, snap in ((F1, 0), (F2, 1)):
+        b = torch.cat([a[:F], torch.randint(0, spec.vocab_size, (50,), generator=g)])
+        for t in state.conv + state.recurrent:       # slot 1 holds garbage: the load must replace it
+            t[1].normal_(generator=g)
+        state.load_snapshot(snap, 1)
+        pages = F // PAGE_SIZE
+        tb = torch.tensor([list(range(pages)) + list(range(4, 8 - pages))], dtype=torch.int32)
+        got = model.forward(Batch(b[F:], [50], [F], [1], tb), state, logits="all").logits
+        fresh = model.new_state(num_slots=1, num_pages=4)
+        want = model.forward(Batch(b, [len(b)], [0], [0], torch.arange(4, dtype=torch.int32)[None]), fresh,
+                             logits="all").logits[F:]
+        assert rel(got, want) < 1e-12, F
+
+
+def test_in_step_saves_are_refused_where_they_cannot_apply():
+    spec = spec_from_hf(tiny_config(False))
+    model = HybridModel(spec, random_weights(spec, 0, dtype=torch.float32))
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    ids = torch.arange(1, 9)
+    for bad in ([(0, 0, 0)], [(0, 8, 0)], [(1, 3, 0)], [(0, 3, -1)]):
+        with pytest.raises(ValueError, match="save"):
+            Batch(ids, [8], [0], [0], table, saves=bad)
+    state = model.new_state(num_slots=1, num_pages=2)
+    state.reserve_snapshots(1)
+    with pytest.raises(ValueError, match="verification"):
+        model.forward(Batch(ids, [8], [0], [0], table, saves=[(0, 3, 0)]), state, keep_columns=True)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_cuda_models_in_step_save_bookkeeping_on_the_cpu(trial, seed):
+    """The CUDA backend's side of Batch.saves, run on the CPU: _rule_parts' launches (row ranges,
+    slots, cu_seqlens, fresh flags, the state copied after each) replayed with the reference rule in
+    place of the kernel, and _save_conv_windows' windows, against the state after u columns of the
+    whole sequence (gated_delta_rule_states, the conv over the first u inputs), float64, exactly."""
+    import types
+
+    import kernels.reference as R
+    from ranks.model_cuda import CudaHybridModel
+    rng = random.Random(seed + trial)
+    g = torch.Generator().manual_seed(seed + trial)
+    HV, DK, DV, C, K = 2, 4, 3, 5, 4
+    B = rng.randint(1, 4)
+    columns = [rng.randint(2, 40)] + [rng.randint(1, 40) for _ in range(B - 1)]
+    starts = [rng.choice([0, 0, 7]) for _ in range(B)]
+    slots = rng.sample(range(6), B)
+    saves, snap = [], 0
+    for b, c in enumerate(columns):
+        for u in sorted(rng.sample(range(1, c), min(c - 1, rng.randint(1 if b == 0 else 0, 3)))):
+            saves.append((b, u, snap))
+            snap += 1
+    host = Batch(torch.zeros(sum(columns), dtype=torch.long), columns, starts, slots,
+                 torch.zeros(B, 1, dtype=torch.int32), saves)
+    N = sum(columns)
+    q, k = (torch.randn(N, HV, DK, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(N, HV, DV, generator=g, dtype=torch.float64)
+    gate, beta = -torch.rand(N, HV, generator=g, dtype=torch.float64), torch.rand(N, HV, generator=g, dtype=torch.float64)
+    S0 = torch.randn(6, HV, DK, DV, generator=g, dtype=torch.float64)
+    fake = types.SimpleNamespace(device="cpu", _rule_parts_of=None)
+    parts = CudaHybridModel._rule_parts(fake, host)
+    assert CudaHybridModel._rule_parts(fake, host) is parts          # made once per step
+    S, snaps, out = S0.clone(), {}, torch.full((N, HV, DV), float("nan"), dtype=torch.float64)
+    for r0, r1, p_slots, p_cu, p_fresh, longest, save in parts:      # the kernel's contract, by the reference
+        cu = p_cu.tolist()
+        assert cu[0] == 0 and cu[-1] == r1 - r0 and longest == max(b - a for a, b in zip(cu, cu[1:]))
+        for i, (sl, fr) in enumerate(zip(p_slots.tolist(), p_fresh.tolist())):
+            lo, hi = r0 + cu[i], r0 + cu[i + 1]
+            o, S[sl] = R.gated_delta_rule_recurrent(q[lo:hi], k[lo:hi], v[lo:hi], gate[lo:hi], beta[lo:hi],
+                                                    None if fr else S[sl])
+            out[lo:hi] = o
+        if save is not None:
+            snaps[save[1]] = S[save[0]].clone()
+    assert sorted(snaps) == list(range(snap))
+    for b, (lo, hi) in enumerate(host.bounds):
+        o, states = R.gated_delta_rule_states(q[lo:hi], k[lo:hi], v[lo:hi], gate[lo:hi], beta[lo:hi],
+                                              None if starts[b] == 0 else S0[slots[b]])
+        assert torch.equal(out[lo:hi], o) and torch.equal(S[slots[b]], states[-1])
+        for u, sn in host.saves_of(b):
+            assert torch.equal(snaps[sn], states[u - 1]), (b, u)
+    # the conv windows
+    qkv = torch.randn(N, C, generator=g, dtype=torch.float64)
+    state = types.SimpleNamespace(conv=[torch.randn(6, C, K - 1, generator=g, dtype=torch.float64)],
+                                  snap_conv=[torch.full((max(snap, 1), C, K - 1), float("nan"), dtype=torch.float64)])
+    CudaHybridModel._save_conv_windows(qkv, state, 0, host)
+    w = torch.randn(C, K, generator=g, dtype=torch.float64)
+    for b, (lo, _) in enumerate(host.bounds):
+        old = None if starts[b] == 0 else state.conv[0][slots[b]]
+        for u, sn in host.saves_of(b):
+            assert torch.equal(state.snap_conv[0][sn], R.causal_conv1d(qkv[lo:lo + u], w, old)[1]), (b, u)
+
+
+def test_in_step_threshold_is_the_cuda_fast_programs_column_limit():
+    from ranks.model_cuda import MAX_FAST_COLUMNS
+    from runtime.scheduler import IN_STEP_SAVE_MIN_COLUMNS
+    assert IN_STEP_SAVE_MIN_COLUMNS == MAX_FAST_COLUMNS
+
+
 # ---- the scheduler against a symbolic model of the ranks -----------------------------------------
 
 class SymbolicRanks:
@@ -83,19 +202,25 @@ class SymbolicRanks:
     def run(self, plan) -> None:
         for snap, slot in plan.loads:
             self.slot[slot] = self.snap[snap]
+        saves = []
         for s, c, start in zip(plan.seqs, plan.columns, [s.computed for s in plan.seqs]):
             want = tuple(s.token(i) for i in range(start))
             prefix = () if start == 0 else self.slot[s.slot]
             assert prefix == want, f"seq {s.id}: its slot summarises {len(prefix)} other tokens at {start}"
             fed = tuple(s.token(i) for i in range(start, start + c))
+            for slot, snap, u in plan.saves:                 # after u of its columns (in the step or at its end)
+                if slot == s.slot:
+                    assert 0 < u <= c, f"seq {s.id}: a save after {u} of its {c} columns"
+                    saves.append((snap, want + fed[:u]))
             self.slot[s.slot] = want + fed
             for pos in range(start, start + c):
                 self.kv[s.pages[pos // PAGE_SIZE]][pos % PAGE_SIZE] = s.token(pos)
             for pos in range(start + c):                     # every key the step's queries read
                 assert self.kv[s.pages[pos // PAGE_SIZE]].get(pos % PAGE_SIZE) == s.token(pos), \
                     f"seq {s.id}: KV at position {pos} is not its token"
-        for slot, snap in plan.saves:
-            self.snap[snap] = self.slot[slot]
+        assert len(saves) == len(plan.saves), "a save of a slot that runs nothing in the step"
+        for snap, tokens in saves:
+            self.snap[snap] = tokens
 
 
 def _check_pages(sch: Scheduler) -> None:
@@ -120,7 +245,7 @@ def test_scheduler_pages_and_snapshots_against_symbolic_ranks(trial, seed):
     K = rng.choice([0, 2])
     cfg = SchedulerConfig(max_concurrency=3, max_pending=64, prefill_chunk=rng.choice([48, 100]), max_step_tokens=160,
                           kv_pages=rng.choice([12, 20]), max_context=600, spec_draft_tokens=K,
-                          prefix_cache=rng.choice([1, 2, 4]))
+                          prefix_cache=rng.choice([1, 2, 4]), snapshot_in_step=rng.choice([0, 16, 60]))
     sch = Scheduler(cfg)
     ranks = SymbolicRanks(cfg.max_concurrency, cfg.prefix_cache, cfg.kv_pages)
     roots = [[rng.randrange(50) for _ in range(rng.randint(60, 300))] for _ in range(3)]
@@ -158,9 +283,12 @@ def test_scheduler_pages_and_snapshots_against_symbolic_ranks(trial, seed):
     assert hits > 0, "the trial made no cache hit: it tested nothing of the cache"
 
 
-def test_a_prefill_chunk_is_cut_at_the_frontier_and_saved_after_it():
+@pytest.mark.parametrize("in_step", [0, 16, 50])
+def test_a_prefill_chunk_is_cut_at_the_frontier_or_saves_inside_it(in_step):
+    """Without in-step saves the chunk ends on the frontier and the state is saved after it; with them,
+    a chunk longer than snapshot_in_step keeps its length and saves after the frontier's column."""
     sch = Scheduler(SchedulerConfig(max_concurrency=2, prefill_chunk=100, max_step_tokens=200, kv_pages=20,
-                                    max_context=1000, prefix_cache=2))
+                                    max_context=1000, prefix_cache=2, snapshot_in_step=in_step))
     p = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     prompt = list(range(1, 300))                      # frontier (299 - 9) // 64 * 64 = 256
     s = Sequence(1, prompt, p, seed=0, max_new_tokens=4, stop_ids=frozenset())
@@ -168,12 +296,54 @@ def test_a_prefill_chunk_is_cut_at_the_frontier_and_saved_after_it():
     cols = []
     for _ in range(3):
         plan = sch.schedule()
-        cols.append((plan.columns[0], plan.saves))
-        sch.commit(plan, {})
-    assert cols == [(100, []), (100, []), (56, [(s.slot, 0)])]
+        cols.append((plan.columns[0], plan.saves, plan.sample[0]))
+        sch.commit(plan, {1: 7} if plan.sample[0] else {})
     assert [e.frontier for e in sch.cache.entries] == [256]
-    plan = sch.schedule()
-    assert plan.columns == [43] and plan.sample == [True]
+    if not in_step:
+        assert cols == [(100, [], False), (100, [], False), (56, [(s.slot, 0, 56)], False)]
+        plan = sch.schedule()
+        assert plan.columns == [43] and plan.sample == [True]
+    else:                                             # 99 columns > 16 and > 50: one step, saved mid-way
+        assert cols == [(100, [], False), (100, [], False), (99, [(s.slot, 0, 56)], True)]
+        assert s.output == [7]
+
+
+def _drain(sch: Scheduler) -> list:
+    """Run the scheduler's plans to the end (every sampling sequence samples token 3); the plans."""
+    plans = []
+    while (plan := sch.schedule()) is not None:
+        plans.append(plan)
+        sch.commit(plan, {q.id: 3 for q, smp in zip(plan.seqs, plan.sample) if smp})
+    return plans
+
+
+def test_two_frontiers_inside_one_chunk_are_both_saved_in_it():
+    """A prompt that branches off an entry (at 300: branch frontier 256) and ends past another page
+    (frontier 576), prefilled as one chunk of 600 columns: both saved in that step, in column order."""
+    sch = Scheduler(SchedulerConfig(max_concurrency=2, prefill_chunk=1024, max_step_tokens=1024, kv_pages=40,
+                                    max_context=2000, prefix_cache=4, snapshot_in_step=16))
+    p = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    x = list(range(1, 401))
+    sch.add(Sequence(1, x, p, seed=0, max_new_tokens=2, stop_ids=frozenset()))
+    _drain(sch)
+    assert [e.frontier for e in sch.cache.entries] == [384]
+    y = Sequence(2, x[:300] + [1000 + i for i in range(300)], p, seed=0, max_new_tokens=2, stop_ids=frozenset())
+    sch.add(y)
+    plans = _drain(sch)
+    assert plans[0].columns == [600] and plans[0].sample == [True] and y.cached_tokens == 0
+    assert [u for _, _, u in plans[0].saves] == [256, 576] and len({slot for slot, _, _ in plans[0].saves}) == 1
+    assert sorted(e.frontier for e in sch.cache.entries) == [256, 384, 576]
+
+
+def test_short_chunks_end_on_the_frontier_even_with_in_step_saves():
+    """A chunk of at most snapshot_in_step columns (the CUDA backend's graphed steps) still ends on the
+    frontier and saves after it."""
+    sch = Scheduler(SchedulerConfig(max_concurrency=2, prefill_chunk=12, max_step_tokens=64, kv_pages=20,
+                                    max_context=1000, prefix_cache=2, snapshot_in_step=16))
+    p = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    sch.add(Sequence(1, list(range(1, 271)), p, seed=0, max_new_tokens=2, stop_ids=frozenset()))  # frontier 256
+    saving = [(plan.columns, [u for _, _, u in plan.saves]) for plan in _drain(sch) if plan.saves]
+    assert saving == [([4], [4])]                       # the chunk [252, 264) cut at 256
 
 
 def test_entries_are_evicted_only_when_that_admits_the_request():
@@ -287,17 +457,21 @@ def _clear(ref, rng, n: int) -> tuple[list[list[int]], list[list[int]]]:
     pytest.fail("no conversation without a near tie in 30 draws")
 
 
-@pytest.mark.parametrize("tp,spec_k,kv", [(1, 0, "bf16"), (2, 0, "bf16"), (1, 2, "bf16"), (1, 0, "int8")],
-                         ids=["tp1", "tp2", "tp1-mtp", "tp1-int8"])
-def test_engine_turns_hit_the_cache_and_keep_the_reference_ids(tiny, tp, spec_k, kv, seed):
+@pytest.mark.parametrize("tp,spec_k,kv,chunk,in_step", [
+    (1, 0, "bf16", 64, True), (2, 0, "bf16", 64, True), (1, 2, "bf16", 64, True), (1, 0, "int8", 64, True),
+    (1, 0, "bf16", 100, True), (2, 2, "bf16", 100, True), (1, 0, "bf16", 100, False)],
+    ids=["tp1", "tp2", "tp1-mtp", "tp1-int8", "tp1-in-step", "tp2-mtp-in-step", "tp1-chunks-end-on-frontiers"])
+def test_engine_turns_hit_the_cache_and_keep_the_reference_ids(tiny, tp, spec_k, kv, chunk, in_step, seed):
+    """Chunks of 64 start and end on page boundaries, so frontiers end chunks; chunks of 100 put them
+    inside, where they are saved mid-step (snapshot_in_step) or the chunk is cut there."""
     from runtime import Engine, EngineOptions
     from tests.test_engine import greedy
 
     d, ref = tiny
     rng = random.Random(seed)
     prompts, want = _clear(ref, rng, 12)
-    opts = EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64, threads_per_rank=1,
-                         spec_draft_tokens=spec_k, kv_dtype=kv, prefix_cache=8)
+    opts = EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=chunk, threads_per_rank=1,
+                         spec_draft_tokens=spec_k, kv_dtype=kv, prefix_cache=8, snapshot_in_step=in_step)
     eng = Engine.start(d, tp=tp, options=opts)
     try:
         cached = []

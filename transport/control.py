@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 7     # 7: prefix cache (StepPlan.snapshot_loads / snapshot_saves); 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 8     # 8: StepPlan.snapshot_saves entries carry the column count u (frontiers inside a prefill chunk); 7: prefix cache (StepPlan.snapshot_loads / snapshot_saves); 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -175,9 +175,10 @@ class StepPlan(Message):
     # byte i // 8 = id i; runtime.grammar), for constrained sequences that sample in the step
     masks: dict = field(default_factory=dict)
     # prefix cache (runtime/prefix_cache.py): [[snapshot, slot]] copies of GDN state into slots before
-    # the step (sequences admitted on a cached prefix), [[slot, snapshot]] copies out after it (a
-    # prefill chunk that ended on a frontier); prompt_tokens then holds the cached prompt ids of
-    # restored sequences with penalties (their samplers count them as if fed)
+    # the step (sequences admitted on a cached prefix), [[slot, snapshot, u]] copies out of a slot's
+    # state after the first u of its sequence's columns in the step (a frontier: at the end of the
+    # chunk, after the step; inside it, mid-step, Batch.saves); prompt_tokens then holds the cached
+    # prompt ids of restored sequences with penalties (their samplers count them as if fed)
     snapshot_loads: list = field(default_factory=list)
     snapshot_saves: list = field(default_factory=list)
 
