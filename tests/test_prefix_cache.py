@@ -445,6 +445,17 @@ def tiny(tmp_path_factory):
     return d, Reference(spec, w)
 
 
+def _reference_logprobs(ref, prompt: list[int], ids: list[int]) -> list[float]:
+    """The float32 reference's log-probability of each of `ids` after `prompt` (one teacher-forced pass)."""
+    seq = prompt + ids[:-1]
+    pages = -(-len(seq) // PAGE_SIZE)
+    state = ref.model.new_state(num_slots=1, num_pages=pages)
+    logits = ref.model.forward(Batch(torch.tensor(seq), [len(seq)], [0], [0], torch.arange(pages, dtype=torch.int32)[None]),
+                               state, logits="all").logits[len(prompt) - 1:]
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return [float(lp[i, t]) for i, t in enumerate(ids)]
+
+
 def _clear(ref, rng, n: int) -> tuple[list[list[int]], list[list[int]]]:
     """Turns (redrawn until no step of any of them has a near tie) and their reference greedy ids."""
     from tests.test_engine import MARGIN, _NearTie
@@ -476,10 +487,14 @@ def test_engine_turns_hit_the_cache_and_keep_the_reference_ids(tiny, tp, spec_k,
     try:
         cached = []
         for p, ids in zip(prompts, want):
-            r = eng.submit(p, greedy(len(ids))).result(timeout=120)
+            r = eng.submit(p, greedy(len(ids), logprobs=0)).result(timeout=120)
             assert r.error is None
             if kv == "bf16":           # int8 KV rounds keys and values: its ids are the cache-off engine's
                 assert r.tokens == ids, f"turn {len(cached)}: {r.tokens} != reference {ids}"
+                # the ids alone can survive a wrong GDN state on this tiny model; the logprobs cannot
+                lp = _reference_logprobs(ref, p, ids)
+                got = [v for v, _ in r.logprobs]
+                assert max(abs(a - b) for a, b in zip(got, lp)) < 1e-3, f"turn {len(cached)}: {got} != {lp}"
             else:
                 want[len(cached)] = r.tokens
             cached.append(r.usage.get("cached_tokens", 0))
