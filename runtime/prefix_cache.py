@@ -3,11 +3,13 @@ with an earlier prompt's first F + 1 tokens starts at position F, on the earlier
 a copy of its GDN state.
 
 A hybrid model's state at position F is not just KV: every GDN layer holds a conv window and a
-recurrent state that summarise the whole prefix. So an entry is a *frontier*: while a request
-prefills, its chunk is cut at F (a multiple of the page size, CACHE_MARGIN or more tokens before the
-prompt's end; and, when the prompt branches off an entry's tokens after a page or more, also the last
-page boundary before the branch) and the ranks copy the slot's GDN state after that chunk into a snapshot slot
-(`StepPlan.snapshot_saves`); the entry keeps the F / PAGE_SIZE full KV pages of [0, F) (shared, by
+recurrent state that summarise the whole prefix. So an entry is a *frontier*: F, a multiple of the
+page size CACHE_MARGIN or more tokens before the prompt's end (and, when the prompt branches off an
+entry's tokens after a page or more, also the last page boundary before the branch); while a request
+prefills, the ranks copy its slot's GDN state as it stands after token F - 1 into a snapshot slot
+(`StepPlan.snapshot_saves`): mid-step where F falls inside a prefill chunk of more than
+IN_STEP_SAVE_MIN_COLUMNS columns (`Batch.saves`: the GDN rule is split there), else the chunk is cut
+at F and the copy follows that step; the entry keeps the F / PAGE_SIZE full KV pages of [0, F) (shared, by
 reference count, with whoever else holds them) and the tokens [0, F] it stands for. A request whose
 prompt matches an entry's tokens and is longer than F + 1 is admitted on those pages plus fresh ones,
 its slot loaded from the snapshot before its first step (`StepPlan.snapshot_loads`), and prefills from

@@ -253,9 +253,9 @@ PY
     grep -A15 "^weights variant" "$OUT/bf16pipe-35b.txt"; grep -A10 "^weights variant" "$OUT/bf16pipe-27b.txt" ;;
   prefix)
     timeout 300 scripts/gpu-tests.sh "$OUT/prefix-tests" tests/test_cuda_model.py -m gpu \
-        -k "resumed or pre_quantised" --tb=short --timeout=150 > "$OUT/prefix-tests.txt" 2>&1
+        -k "resumed or pre_quantised or inside_a_prefill" --tb=short --timeout=150 > "$OUT/prefix-tests.txt" 2>&1
     timeout 220 python $B/prefix_cache.py --device cuda --model 27b --weights nvfp4 --context 8000 32000 \
-        --turns 4 --turn-tokens 300 --out "$OUT/prefix.json" > "$OUT/prefix.txt" 2>&1
+        --turns 4 --turn-tokens 300 --one-shot 3 --cut-too --out "$OUT/prefix.json" > "$OUT/prefix.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/prefix-tests.txt" | tail -8; cat "$OUT/prefix.txt" | tail -4 ;;
   *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe, shard, prefix)" >&2; exit 2 ;;
 esac

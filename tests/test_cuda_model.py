@@ -438,6 +438,47 @@ def test_prefill_resumed_from_a_snapshot_matches_the_whole_prefill(name, seed):
     assert e_got <= 1.5 * e_whole + 1e-3
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "small"])
+def test_snapshots_saved_inside_a_prefill_step_resume_like_the_whole_prefill(name, seed):
+    """Batch.saves on the CUDA backend (the rule in launches split at the save points, the conv windows
+    copied before the conv): sequence A, resumed part-way, prefills 230 columns in one step with saves
+    at two frontiers, one 2 columns into the step (its conv window reaches back into the slot's). Its
+    own logits stay as close to the float32 reference as the same step without saves; each snapshot
+    resumes a sequence B as closely as B's whole prefill on the CUDA model."""
+    spec = SPECS[name]()
+    ref, _, model = _models(spec, seed)
+    g = torch.Generator().manual_seed(seed)
+    start, F1, F2 = 62, 64, 192
+    a = torch.randint(0, spec.vocab_size, (start + 230,), generator=g)
+    want_a = _reference_logits(ref, [a.tolist()])[0][start:]
+    outs = []
+    for saves in ([], [(0, F1 - start, 0), (0, F2 - start, 1)]):
+        state = model.new_state(2, 10)
+        state.reserve_snapshots(2)
+        for t in state.conv + state.recurrent + state.snap_conv + state.snap_recurrent:
+            t.normal_()                                             # garbage the step must not read
+        ta = torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32)
+        model.forward(Batch(a[:start], [start], [0], [0], ta), state, logits="none")
+        out = model.forward(Batch(a[start:], [230], [start], [0], ta, saves), state, logits="all")
+        outs.append(out.logits.float().cpu())
+    e_plain, e_saving = rel(outs[0], want_a), rel(outs[1], want_a)
+    print(f"{name}: A with saves {e_saving:.3g}, without {e_plain:.3g}")
+    assert e_saving <= 1.5 * e_plain + 1e-3
+    for F, snap in ((F1, 0), (F2, 1)):
+        b = torch.cat([a[:F], torch.randint(0, spec.vocab_size, (70,), generator=g)])
+        state.load_snapshot(snap, 1)
+        pages = F // 64
+        tb = torch.tensor([list(range(pages)) + list(range(5, 5 + 5 - pages))], dtype=torch.int32)
+        got = model.forward(Batch(b[F:], [70], [F], [1], tb), state, logits="all").logits.float().cpu()
+        fresh = model.new_state(1, 5)
+        whole = model.forward(Batch(b, [len(b)], [0], [0], torch.arange(5, dtype=torch.int32)[None]), fresh,
+                              logits="all").logits[F:].float().cpu()
+        want = _reference_logits(ref, [b.tolist()])[0][F:]
+        e_got, e_whole = rel(got, want), rel(whole, want)
+        print(f"{name}: resumed at {F} {e_got:.3g}, whole {e_whole:.3g}")
+        assert e_got <= 1.5 * e_whole + 1e-3, F
+
+
 def tiny_config_for(name: str) -> dict:
     from ranks.random_checkpoint import text_config
     from tests.util import tiny_config
