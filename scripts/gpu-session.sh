@@ -48,7 +48,7 @@
 #                                        shard's kernel-time profile (tp 2 / tp 1 <= 0.6 needs the shard at
 #                                        ~0.53x with ~0.6 ms of exchanges on top), and linear.py's nvfp4 GEMVs per
 #                                        layer whole and halved (--shard-of 1 / 2)
-#   scripts/gpu-session.sh prefix OUT    one GPU, ~6 min: the prefix cache and pre-quantised checkpoints (twentieth
+#   scripts/gpu-session.sh prefix OUT    one GPU, ~8 min: the prefix cache and pre-quantised checkpoints (twentieth
 #                                        session, CPU-tested only): their GPU tests (test_cuda_model.py -k
 #                                        "resumed or pre_quantised"), then prefix_cache.py's agent loop on the
 #                                        27B nvfp4 at 8k / 32k context (TTFT with the cache and without)
@@ -254,7 +254,7 @@ PY
   prefix)
     timeout 300 scripts/gpu-tests.sh "$OUT/prefix-tests" tests/test_cuda_model.py -m gpu \
         -k "resumed or pre_quantised or inside_a_prefill" --tb=short --timeout=150 > "$OUT/prefix-tests.txt" 2>&1
-    timeout 220 python $B/prefix_cache.py --device cuda --model 27b --weights nvfp4 --context 8000 32000 \
+    timeout 300 python $B/prefix_cache.py --device cuda --model 27b --weights nvfp4 --context 8000 32000 \
         --turns 4 --turn-tokens 300 --one-shot 3 --cut-too --out "$OUT/prefix.json" > "$OUT/prefix.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/prefix-tests.txt" | tail -8; cat "$OUT/prefix.txt" | tail -4 ;;
   *) echo "unknown part $PART (tests-a, tests-b, tests-b2, tests-c, decode, prefill, context, tp, engine, feed, t8, c8, dequant, host, probe, ncu, gemm, moe, bf16pipe, shard, prefix)" >&2; exit 2 ;;
