@@ -25,6 +25,11 @@ since the last turn's frontier. The branch frontier serves conversations that sh
 (a long system prompt and tool list): the second one computes it once more and leaves an entry at the
 branch, and every later one starts there.
 
+A request whose prompt a running prefill is about to serve further than any entry (the n > 1
+copies of one request, the same prompt sent again before the first finished) waits in the queue
+until that frontier is saved, then starts from it (Scheduler._coming), rather than compute the same
+prefix alongside.
+
 Entries are evicted least recently used: when a snapshot slot is needed for a new entry, and when
 admission needs pages that only entries hold. Requests with prompt_logprobs take no hit (they need
 every prompt position's logits) but may leave an entry.

@@ -312,6 +312,8 @@ class Scheduler:
         while self.waiting and self.free_slots:
             s = self.waiting[0]
             hit = self._lookup(s)
+            if self._coming(s, hit):
+                break                                   # in arrival order, after the prefix it waits for
             shared = hit.pages if hit is not None else []
             need = self.pages_for(s) - len(shared)
             if need > len(self.free_pages):
@@ -374,10 +376,25 @@ class Scheduler:
         self._drop(reversed(e.pages))
         self.cache_stats["evicted"] += 1
 
+    def _coming(self, s: Sequence, hit) -> bool:
+        """Whether a running sequence will save an entry, before its prefill ends, that serves `s`
+        further than `hit` does: the same prompt sent again before the first finished its prefill, or
+        the n > 1 copies of one request. `s` then waits for it rather than compute that prefix a
+        second time; once the running one has passed that frontier this no longer holds (saved, or
+        evicted since: then `s` computes it)."""
+        if self.cache is None or s.params.prompt_logprobs is not None:
+            return False
+        best = hit.frontier if hit is not None else 0
+        return any(f > best and len(s.prompt) >= f + 2 and s.prompt[:f + 1] == r.prompt[:f + 1]
+                   for r in self.running for f in r.save_at)
+
     def _admissible(self, s: Sequence) -> bool:
         """Whether _admit would admit `s` now (given a free slot): its pages, less those a cache hit
-        shares, are free or would be once entries are evicted."""
+        shares, are free or would be once entries are evicted, and it waits for no running prefill's
+        entry (_coming)."""
         hit = self._lookup(s)
+        if self._coming(s, hit):
+            return False
         need = self.pages_for(s) - (len(hit.pages) if hit is not None else 0)
         return need <= len(self.free_pages) + self._evictable(keep=hit)
 

@@ -21,7 +21,7 @@ from runtime.config import PAGE_SIZE, spec_from_hf
 from runtime.prefix_cache import CACHE_MARGIN, PrefixCache
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Sequence
+from runtime.sequence import Sequence, Status
 from tests.util import random_weights, rel, tiny_config, write_tiny_checkpoint
 
 
@@ -398,7 +398,12 @@ def test_prompt_logprobs_requests_take_no_hit():
     sch.add(b)
     sch.add(c)
     plan = sch.schedule()
-    assert b.cached_tokens == 0 and c.cached_tokens == 128 and plan.loads == [(0, c.slot)]
+    # b computes its whole prompt (no hit) and leaves an entry at 192; c, the same prompt, waits for it
+    assert b in plan.seqs and c not in plan.seqs and b.cached_tokens == 0 and plan.loads == []
+    while c.status != Status.RUNNING:
+        sch.commit(plan, {})
+        plan = sch.schedule()
+    assert c.cached_tokens == 192 and [slot for _, slot in plan.loads] == [c.slot]
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
@@ -810,3 +815,44 @@ def test_eviction_for_pages_skips_entries_that_free_none():
     step()
     assert late.status.name == "RUNNING"
     assert [e.tokens[0] for e in sch.cache.entries] == [1000]               # B went, A stayed
+
+
+def test_copies_of_one_prompt_wait_for_the_first_ones_frontier():
+    """n > 1 copies of a request (or the same prompt sent again while the first still prefills): the
+    first computes the prompt; the others are admitted once its frontier is saved and start there, so
+    the prompt is computed once plus each copy's tail, instead of once per copy."""
+    sch = Scheduler(SchedulerConfig(max_concurrency=3, prefill_chunk=100, max_step_tokens=400, kv_pages=40,
+                                    max_context=1000, prefix_cache=2, snapshot_in_step=16))
+    p = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    prompt = list(range(1, 301))                      # frontier 256
+    copies = [Sequence(i, list(prompt), p, seed=i, max_new_tokens=2, stop_ids=frozenset()) for i in (1, 2, 3)]
+    for s in copies:
+        sch.add(s)
+    plans = _drain(sch)
+    prefilled = {s.id: 0 for s in copies}
+    for plan in plans:
+        for s, c in zip(plan.seqs, plan.columns):
+            prefilled[s.id] += c
+    assert copies[0].cached_tokens == 0 and [s.cached_tokens for s in copies[1:]] == [256, 256]
+    assert all(s.output == [3, 3] for s in copies)
+    # the first copy: 300 prompt columns + 1 decode; the others: 44 + 1
+    assert prefilled == {1: 301, 2: 45, 3: 45}
+    assert plans[0].seqs == [copies[0]]               # the others waited, in arrival order
+
+
+def test_a_request_waits_only_for_a_prefix_that_serves_it():
+    """A prompt that shares less than a running prefill's next frontier is admitted at once, and one
+    with prompt_logprobs (which takes no hit) never waits."""
+    sch = Scheduler(SchedulerConfig(max_concurrency=3, prefill_chunk=50, max_step_tokens=400, kv_pages=40,
+                                    max_context=1000, prefix_cache=2, snapshot_in_step=16))
+    p = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    first = list(range(1, 301))
+    other = first[:200] + [999] * 100                  # agrees up to 200 < the frontier 256
+    logp = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    seqs = [Sequence(1, first, p, seed=0, max_new_tokens=2, stop_ids=frozenset()),
+            Sequence(2, other, p, seed=0, max_new_tokens=2, stop_ids=frozenset()),
+            Sequence(3, list(first), logp, seed=0, max_new_tokens=2, stop_ids=frozenset())]
+    for s in seqs:
+        sch.add(s)
+    plan = sch.schedule()
+    assert [s.id for s in plan.seqs] == [1, 2, 3]
