@@ -6,7 +6,11 @@ whole prefill to 1e-12); the scheduler against a symbolic model of the ranks (ea
 snapshot slot holds the token prefix it summarises, each KV page the tokens written to it: every
 step must read exactly its own sequence's tokens, through any sharing, eviction and cancellation);
 and the engine (greedy and penalised sampled ids equal the float32 reference's at tp 1 and 2, with
-MTP speculation and with int8 KV, with `cached_tokens` as the entry rules predict).
+MTP speculation and with int8 KV, with `cached_tokens` as the entry rules predict). The features a
+request may combine with a hit are checked the same way: stop ids, n copies of one prompt sent at once,
+page-aligned prompts and budgets, prompts that are strict prefixes of a cached one,
+seeded sampling cold and warm, and grammars (against an engine without the cache, on the embedded
+model).
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, Status
 from tests.util import random_weights, rel, tiny_config, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The in-process references run far faster on one intra-op thread here (the ranks and other work
+    share the cores; two spinning threads slowed them many times over)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _frontier(n: int) -> int:
@@ -700,6 +714,273 @@ def test_engine_stress_concurrent_conversations_cancellations_and_constant_evict
         assert eng.stats()["prefix_cache"]["entries"] == 1 and eng.stats()["pages_used"] == 0
     finally:
         eng.shutdown()
+
+
+def _clear_case(ref, make_prompt, params: list[SamplingParams], draws: int = 30) -> tuple[list[int], list[list[int]]]:
+    """A prompt from make_prompt() whose reference path under every one of `params` has no near tie,
+    and the reference's ids for each (redrawn otherwise)."""
+    from tests.test_engine import MARGIN, _NearTie
+    for _ in range(draws):
+        prompt = make_prompt()
+        try:
+            return prompt, [ref.sample(prompt, p, MARGIN)[0] for p in params]
+        except _NearTie:
+            continue
+    pytest.fail(f"no prompt without a near tie in {draws} draws")
+
+
+def test_stop_ids_end_requests_on_a_cached_prefix_where_the_reference_does(tiny, seed):
+    """Stop ids end a request that started on a cached prefix at the first of them in the reference's
+    ids, inclusive ("stop"): one that comes as the first token (sampled by the step that finishes the
+    prompt from the snapshot), one mid-decode (a step planned ahead is then already queued for it),
+    given in SamplingParams.stop_token_ids or to submit(); an id that only the cached prompt holds ends
+    nothing (stop ids look at the output). The entry itself was left by a request that stopped on its
+    first token, in the step that ended its prefill."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import greedy
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    n = 16
+    base, (base_ids,) = _clear_case(ref, lambda: [rng.randrange(ref.V) for _ in range(rng.randint(150, 260))],
+                                    [greedy(n)])
+    F = _frontier(len(base))
+    follow = []
+    while len(follow) < 3:
+        # branches a few tokens past F: their first tokens are the ones the snapshot's GDN state decides
+        prompt, (ids,) = _clear_case(ref, lambda: base[:F + 2 + rng.randrange(3)]
+                                     + [rng.randrange(ref.V) for _ in range(rng.randrange(3))], [greedy(n)])
+        if len(follow) != 1 or any(ids.index(t) >= 3 for t in ids):     # the second needs a later first occurrence
+            follow.append((prompt, ids))
+    (p0, ids0), (p1, ids1), (p2, ids2) = follow
+    cached = _expected_cached([base, p0, p1, p2])
+    assert cached == [0, F, F, F] and F > 0
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64,
+                                                      threads_per_rank=1, prefix_cache=4))
+    try:
+        r = eng.submit(base, greedy(n, stop_token_ids=(base_ids[0],))).result(timeout=120)
+        assert (r.tokens, r.finish_reason, r.usage.get("cached_tokens", 0)) == (base_ids[:1], "stop", 0)
+        # the first token
+        r = eng.submit(p0, greedy(n), stop_token_ids={ids0[0]}).result(timeout=120)
+        assert (r.tokens, r.finish_reason, r.usage.get("cached_tokens")) == (ids0[:1], "stop", cached[1])
+        # mid-decode: the first occurrence of a later id ends it there
+        at = rng.choice([k for k, t in enumerate(ids1) if ids1.index(t) == k >= 3])
+        r = eng.submit(p1, greedy(n, stop_token_ids=(ids1[at],))).result(timeout=120)
+        assert (r.tokens, r.finish_reason, r.usage.get("cached_tokens")) == (ids1[:at + 1], "stop", cached[2])
+        # ids only the cached part of the prompt holds: the request runs to its length
+        only_cached = sorted(set(p2[:cached[3]]) - set(ids2))[:4]
+        assert only_cached, "every cached prompt id comes in the output too"
+        r = eng.submit(p2, greedy(n, stop_token_ids=tuple(only_cached))).result(timeout=120)
+        assert (r.tokens, r.finish_reason, r.usage.get("cached_tokens")) == (ids2, "length", cached[3])
+    finally:
+        eng.shutdown()
+
+
+def test_copies_of_one_prompt_keep_each_reference_from_the_first_ones_entry(tiny, seed):
+    """A request's n choices run as n engine requests of one prompt, seeds s, s + 1, ... (as the
+    server makes them), here with a greedy copy, sent at once: the first computes the prompt (in one
+    chunk, saving its frontier mid-step) and the others wait for that entry, then load the one snapshot
+    into their slots and compute only their tails; one snapshot is saved. Each draws the reference's
+    ids for its seed; a later copy of the first choice starts from the entry and draws them again."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import greedy
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    s0 = rng.randrange(1 << 40)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=s0 + i)
+              for i in range(3)] + [greedy(10)]
+    prompt, want = _clear_case(ref, lambda: [rng.randrange(ref.V) for _ in range(rng.randint(80, 118))], params)
+    F = _frontier(len(prompt))                         # 64
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=4, max_context=512, prefill_chunk=100,
+                                                      threads_per_rank=1, prefix_cache=2))
+    try:
+        got = [st.result(timeout=120) for st in [eng.submit(prompt, p) for p in params]]
+        assert [r.tokens for r in got] == want
+        assert len({tuple(ids) for ids in want[:3]}) > 1, "the seeds drew the same ids: nothing tells them apart"
+        assert [r.usage.get("cached_tokens", 0) for r in got] == [0, F, F, F]
+        assert eng.stats()["prefix_cache"]["saved"] == 1
+        again = eng.submit(prompt, params[0]).result(timeout=120)
+        assert again.usage.get("cached_tokens") == F and again.tokens == want[0]
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("spec_k", [0, 2], ids=["plain", "mtp"])
+def test_page_aligned_prompts_and_budgets_on_cached_prefixes(tiny, spec_k, seed):
+    """Prompt + max_tokens filling whole pages, prompts of whole pages, and a request needing the
+    whole pool, on a five-page pool with the cache: A (250 + 6 = 4 pages; its entry at 192 keeps 3),
+    B (A's first 195 tokens + 61 = 4 pages: 3 shared, 1 fresh), C (A's first 193 and 63 more: exactly
+    4 pages of prompt, its new part exactly one page), D (312 fresh + 8: the whole pool, so the entry
+    is evicted), then B's prompt again (a miss now). Greedy ids equal the reference's,
+    every request ends by length with exactly max_tokens tokens, cached_tokens as the rules predict,
+    with and without MTP speculation (whose 2K pages of slack D cannot have)."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import MARGIN, _NearTie, greedy
+
+    d, ref = tiny
+    rng = random.Random(seed)
+
+    def fresh(k: int) -> list[int]:
+        return [rng.randrange(ref.V) for _ in range(k)]
+
+    for _ in range(30):
+        a = fresh(250)
+        cases = [(a, 6), (a[:195], 61), (a[:193] + fresh(63), 8), (fresh(312), 8), (a[:195], 5)]
+        try:
+            want = [ref.greedy(p, m, MARGIN)[0] for p, m in cases]
+            break
+        except _NearTie:
+            continue
+    else:
+        pytest.fail("no draw without a near tie")
+    assert [(len(p) + m) % PAGE_SIZE for p, m in cases[:4]] == [0, 0, 8, 0] and len(cases[2][0]) % PAGE_SIZE == 0
+    pool = 5
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=2, max_context=pool * PAGE_SIZE,
+                                                      kv_capacity=pool * PAGE_SIZE, prefill_chunk=48,
+                                                      threads_per_rank=1, spec_draft_tokens=spec_k, prefix_cache=2))
+    try:
+        got = [eng.submit(p, greedy(m)).result(timeout=120) for p, m in cases]
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    assert [(r.error, r.finish_reason, len(r.tokens)) for r in got] == [(None, "length", m) for _, m in cases]
+    assert [r.tokens for r in got] == want
+    assert [r.usage.get("cached_tokens", 0) for r in got] == [0, 192, 192, 0, 0]
+    assert st["prefix_cache"]["evicted"] >= 1 and st["pages_used"] == 0
+
+
+@pytest.mark.parametrize("spec_k", [0, 2], ids=["plain", "mtp"])
+def test_prompts_that_are_strict_prefixes_of_a_cached_prompt(tiny, spec_k, seed):
+    """Prompts that are strict prefixes of an earlier, longer prompt (its entry's frontier F = 256 or
+    beyond them): one token past F (too short to start from it: a token after F must be computed), two
+    past F (starts there), and shorter ones that end before F, inside or just past an earlier page
+    boundary, and within the first page. Each starts from the entries the rules predict (those the
+    shorter prompts leave at their own frontiers and branch points included) and keeps the reference's
+    greedy ids, with and without MTP speculation."""
+    from runtime import Engine, EngineOptions
+    from tests.test_engine import MARGIN, _NearTie, greedy
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    cuts = [None, 257, 200, 258, 130, 64, 66, 40, 194]
+    for _ in range(30):
+        a = [rng.randrange(ref.V) for _ in range(rng.randint(300, 315))]
+        prompts = [a if c is None else a[:c] for c in cuts]
+        try:
+            want = [ref.greedy(p, 6, MARGIN)[0] for p in prompts]
+            break
+        except _NearTie:
+            continue
+    else:
+        pytest.fail("no draw without a near tie")
+    expected = _expected_cached(prompts)
+    assert expected[1] == 0 and expected[3] == 256 and 0 in expected[4:] and any(expected[4:])
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=64,
+                                                      threads_per_rank=1, spec_draft_tokens=spec_k, prefix_cache=8))
+    try:
+        got = [eng.submit(p, greedy(6)).result(timeout=120) for p in prompts]
+    finally:
+        eng.shutdown()
+    assert [r.tokens for r in got] == want
+    assert [r.usage.get("cached_tokens", 0) for r in got] == expected
+
+
+@pytest.mark.parametrize("spec_k", [0, 2], ids=["plain", "mtp"])
+def test_seeded_sampling_gives_the_same_ids_with_the_cache_cold_and_warm(tiny, spec_k, seed):
+    """A seeded request (top-p, top-k, min-p, plain temperature) sent twice: the first computes its
+    whole prompt and leaves an entry, the second starts from it; both draw the same ids, and without
+    speculation the reference's (the draws are keyed by seed and position, so where the prompt's
+    computation started must not matter). With MTP speculation the sampled rounds accept drafts by
+    rejection, which the reference does not do: cold and warm must still agree, on the same drafts."""
+    from runtime import Engine, EngineOptions
+
+    d, ref = tiny
+    rng = random.Random(seed)
+    kinds = [dict(temperature=0.9, top_p=0.9), dict(temperature=0.8, top_k=20), dict(temperature=1.1, min_p=0.05),
+             dict(temperature=0.7)]
+    cases = []
+    for kw in kinds:
+        p = SamplingParams(max_new_tokens=12, ignore_eos=True, seed=rng.randrange(-2**63, 2**63), **kw)
+        prompt, (ids,) = _clear_case(ref, lambda: [rng.randrange(ref.V) for _ in range(rng.randint(80, 260))], [p])
+        cases.append((prompt, p, ids))
+    # chunks of 100 columns: the frontier falls inside one of the cold request's chunks (saved mid-step)
+    eng = Engine.start(d, tp=1, options=EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=100,
+                                                      threads_per_rank=1, spec_draft_tokens=spec_k, prefix_cache=4))
+    try:
+        for prompt, p, ids in cases:
+            cold = eng.submit(prompt, p).result(timeout=120)
+            warm = eng.submit(prompt, p).result(timeout=120)
+            assert (cold.usage.get("cached_tokens", 0), warm.usage.get("cached_tokens")) == (0, _frontier(len(prompt)))
+            assert warm.tokens == cold.tokens, f"{p}: warm {warm.tokens} != cold {cold.tokens}"
+            if not spec_k:
+                assert cold.tokens == ids, f"{p}: {cold.tokens} != reference {ids}"
+        if spec_k:
+            assert eng.stats()["spec"]["drafted"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_structured_outputs_on_a_cached_prefix_equal_the_engine_without_the_cache(seed):
+    """Grammars (a JSON schema, a regex, a list of choices) under greedy, seeded temperature and seeded
+    top-p with a repetition penalty, on the embedded model, for prompts that begin with a prefix an
+    earlier request left in the cache: each starts from an entry (cached_tokens), its first token,
+    masked, sampled by the step that finishes the prompt from the snapshot. They are sent together (the
+    one snapshot loaded into several slots in a step). Their ids equal an engine's without the cache,
+    and every finished output is a document that an independent validator (json + jsonschema,
+    re.fullmatch, the list of choices) accepts."""
+    import json
+    import os
+    import re
+
+    from ranks.demo import PACKAGED_DIR
+    from runtime import Engine, EngineOptions
+    from runtime import grammar as G
+    from runtime.config import load_spec
+    from runtime.tokenizer import Tokenizer
+
+    if not os.path.isfile(os.path.join(PACKAGED_DIR, "config.json")):
+        pytest.skip("no packaged demo model")
+    jsonschema = pytest.importorskip("jsonschema")
+    tok, spec = Tokenizer.from_dir(PACKAGED_DIR), load_spec(PACKAGED_DIR)
+    eos = set(spec.eos_token_ids)
+    rng = random.Random(seed)
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colour"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                             "colour": {"enum": ["red", "green", "blue"]}}}
+    regex, choices = r"[a-z]{2,8} is [0-9]{2,3}\.", ["alpha", "beta", "gamma delta"]
+    grammars = [
+        (G.compile_format({"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}, "response_format"),
+         " Describe a person as JSON.", lambda text: jsonschema.validate(json.loads(text), schema)),
+        (G.regex_grammar(regex, "guided_regex"), " Write a short sentence about a number.",
+         lambda text: re.fullmatch(regex, text) or pytest.fail(f"{text!r} does not match {regex}")),
+        (G.choice_grammar(choices, "guided_choice"), " Pick one word.",
+         lambda text: text in choices or pytest.fail(f"{text!r} is not one of {choices}"))]
+    samplers = [dict(temperature=0.0), dict(temperature=1.0, seed=rng.randrange(2**31)),
+                dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=rng.randrange(2**31))]
+    prefix = [rng.randrange(spec.vocab_size) for _ in range(rng.randint(150, 300))]
+    prime = prefix + tok.encode(" Hello.")
+    F = _frontier(len(prime))
+    assert F + 1 <= len(prefix)                      # the entry stands for prefix tokens only
+    reqs = [(prefix + tok.encode(text + " " * j), SamplingParams(max_new_tokens=160, grammar=g, **kw), ok)
+            for g, text, ok in grammars for j, kw in enumerate(samplers)]
+    runs = {}
+    for cache in (0, 4):
+        with Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(
+                max_concurrency=len(reqs), max_context=1024, prefill_chunk=64, threads_per_rank=1,
+                prefix_cache=cache)) as eng:
+            eng.submit(prime, SamplingParams(temperature=0.0, max_new_tokens=1)).result(timeout=120)
+            streams = [eng.submit(p, params) for p, params, _ in reqs]
+            runs[cache] = [st.result(timeout=120) for st in streams]
+    for (prompt, params, ok), off, on in zip(reqs, runs[0], runs[4]):
+        assert off.error is None and on.error is None, (off.error, on.error)
+        assert on.usage.get("cached_tokens", 0) >= F > 0 and "cached_tokens" not in off.usage
+        assert (on.tokens, on.finish_reason) == (off.tokens, off.finish_reason), (params, tok.decode(on.tokens),
+                                                                                   tok.decode(off.tokens))
+        if on.finish_reason == "stop":
+            ok(tok.decode(on.tokens[:-1] if on.tokens[-1] in eos else on.tokens))
+    assert sum(r.finish_reason == "stop" for r in runs[4]) >= len(reqs) - 1, "the grammars ended too few outputs"
 
 
 # ---- through the APIs ---------------------------------------------------------------------------------
