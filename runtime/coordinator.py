@@ -511,8 +511,10 @@ class Coordinator:
         for s, tokens, reason in events:
             self.counters["generated_tokens"] += len(tokens)
             if reason is None and not s.done:
+                first = len(s.output) == len(tokens)
                 self.streams[s.id]._push(Event(s.id, tokens, logprobs=_take_logprobs(s),
-                                               prompt_logprobs=_take_prompt_logprobs(s)))
+                                               prompt_logprobs=_take_prompt_logprobs(s),
+                                               cached_tokens=s.cached_tokens if first else None))
             else:
                 self._finish(s, last_tokens=tokens)
         if result.fed:

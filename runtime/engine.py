@@ -129,6 +129,10 @@ class Event:
     # SamplingParams.prompt_logprobs set: entries of prompt positions 1, 2, ... (the same shape), arriving
     # with the event of the first generated token (all of them, whatever the prefill's chunks)
     prompt_logprobs: list | None = None
+    # prompt tokens taken from the prefix cache, on the event of the first generated tokens when that is
+    # not the last one (whose usage has them, as cached_tokens): a consumer that stops reading before the
+    # last event (at a stop string) still knows them
+    cached_tokens: int | None = None
 
     @property
     def final(self) -> bool:

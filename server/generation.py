@@ -228,6 +228,8 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
         reason, matched, engine_timings, engine_usage, engine_spec = None, None, {}, {}, None
         while reason is None:
             ev = await events.__anext__()
+            if ev.cached_tokens:                # a stop string may end the run before the last event's usage
+                engine_usage = {"cached_tokens": ev.cached_tokens}
             if want_prompt and (ev.tokens or ev.final):     # the prefill is done: all of the prompt's entries
                 want_prompt = False
                 yield PromptLogprobs(prompt_entries(service.tokenizer, prepared.prompt_ids, ev.prompt_logprobs))

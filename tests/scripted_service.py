@@ -198,9 +198,10 @@ def tiny_app(model_dir) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def demo_app(max_concurrency: int = 4, max_context: int = 4096) -> Iterator[tuple[str, Any]]:
+def demo_app(max_concurrency: int = 4, max_context: int = 4096,
+             prefix_cache: int | None = None) -> Iterator[tuple[str, Any]]:
     """The real app over a real Service and Engine on the embedded demo model (tp 1, CPU); yields
-    (base URL, service)."""
+    (base URL, service). prefix_cache: the engine's EngineOptions.prefix_cache (None: its default)."""
     from ranks.demo import PACKAGED_DIR
     from runtime import Engine, EngineOptions
     from runtime.tokenizer import Tokenizer, generation_defaults
@@ -208,7 +209,8 @@ def demo_app(max_concurrency: int = 4, max_context: int = 4096) -> Iterator[tupl
     from server.service import Service
 
     engine = Engine.start(PACKAGED_DIR, tp=1, options=EngineOptions(max_concurrency=max_concurrency,
-                                                                     max_context=max_context, threads_per_rank=1))
+                                                                     max_context=max_context, threads_per_rank=1,
+                                                                     prefix_cache=prefix_cache))
     service = Service(engine, Tokenizer.from_dir(PACKAGED_DIR), "demo", max_context,
                       generation_defaults(PACKAGED_DIR))
     try:

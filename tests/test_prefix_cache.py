@@ -10,7 +10,7 @@ MTP speculation and with int8 KV, with `cached_tokens` as the entry rules predic
 request may combine with a hit are checked the same way: stop ids, n copies of one prompt sent at once,
 page-aligned prompts and budgets, prompts that are strict prefixes of a cached one,
 seeded sampling cold and warm, and grammars (against an engine without the cache, on the embedded
-model).
+model); through OpenAI chat, a response_format, a stop string and n choices against a server without it.
 """
 
 from __future__ import annotations
@@ -763,10 +763,16 @@ def test_stop_ids_end_requests_on_a_cached_prefix_where_the_reference_does(tiny,
         # the first token
         r = eng.submit(p0, greedy(n), stop_token_ids={ids0[0]}).result(timeout=120)
         assert (r.tokens, r.finish_reason, r.usage.get("cached_tokens")) == (ids0[:1], "stop", cached[1])
-        # mid-decode: the first occurrence of a later id ends it there
+        # mid-decode: the first occurrence of a later id ends it there; the first event already tells
+        # the cached tokens (a server that stops at a stop string reads no further)
         at = rng.choice([k for k, t in enumerate(ids1) if ids1.index(t) == k >= 3])
-        r = eng.submit(p1, greedy(n, stop_token_ids=(ids1[at],))).result(timeout=120)
-        assert (r.tokens, r.finish_reason, r.usage.get("cached_tokens")) == (ids1[:at + 1], "stop", cached[2])
+        st, events = eng.submit(p1, greedy(n, stop_token_ids=(ids1[at],))), []
+        while not (events and events[-1].final):
+            events.append(st.get(timeout=120))
+        last = events[-1]
+        assert ([t for ev in events for t in ev.tokens], last.finish_reason, last.usage.get("cached_tokens")) \
+            == (ids1[:at + 1], "stop", cached[2])
+        assert events[0].tokens and events[0].cached_tokens == cached[2]
         # ids only the cached part of the prompt holds: the request runs to its length
         only_cached = sorted(set(p2[:cached[3]]) - set(ids2))[:4]
         assert only_cached, "every cached prompt id comes in the output too"
@@ -1024,6 +1030,73 @@ def test_follow_up_turns_report_cached_tokens_through_the_apis():
         assert first["prompt_tokens_details"]["cached_tokens"] == 0
         assert batch["prompt_tokens_details"]["cached_tokens"] == _frontier(first["prompt_tokens"]) > 0
         assert u["input_tokens"] >= 1              # the new part is computed
+
+
+def test_chat_structured_output_stop_strings_and_n_choices_on_a_cached_prefix(seed):
+    """Through OpenAI chat on the embedded model, with a long system prompt of random words: a
+    json_schema response_format (greedy), a stop string (taken from the middle of the text the request
+    gives without it) and n = 3 seeded, sampled choices. Each request goes once to a server without the
+    cache and twice to one with it (the second time it starts from the entry the first left,
+    prompt_tokens_details.cached_tokens; for n = 3 all three choices load that entry). All three answers
+    agree: every choice's content and finish_reason, by index. (A request ended by a stop string is
+    cancelled in the engine before its last event: its cached_tokens must come from the first one.)"""
+    import json
+    import os
+    import string
+
+    import httpx
+
+    from ranks.demo import PACKAGED_DIR
+    from tests.scripted_service import demo_app
+
+    if not os.path.isfile(os.path.join(PACKAGED_DIR, "config.json")):
+        pytest.skip("no packaged demo model")
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 7))) for _ in range(120)]
+    system = {"role": "system", "content": "Remember these words: " + " ".join(words) + "."}
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+    def body(user: str, **kw) -> dict:
+        return {"model": "demo", "messages": [system, {"role": "user", "content": user}],
+                "chat_template_kwargs": {"enable_thinking": False}, **kw}
+
+    def post(url: str, b: dict) -> dict:
+        r = httpx.post(url + "/v1/chat/completions", json=b, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def answers(r: dict) -> list[tuple]:
+        return [(c["index"], c["message"]["content"], c["finish_reason"]) for c in r["choices"]]
+
+    with demo_app(prefix_cache=0) as (ref_url, _), demo_app() as (url, _):
+        free = post(ref_url, body("Tell me about the weather.", max_tokens=30, temperature=0))
+        text = free["choices"][0]["message"]["content"]
+        starts = [k for k in range(len(text) // 3, len(text) - 3)
+                  if text.index(text[k:k + 4]) == k and not text[k - 1].isspace()]   # (content is rstripped)
+        assert starts, f"no stop string to take from {text!r}"
+        k = rng.choice(starts)
+        requests = [
+            body("Describe one user account as JSON.", max_tokens=80, temperature=0,
+                 response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": schema}}),
+            body("Tell me about the weather.", max_tokens=30, temperature=0, stop=[text[k:k + 4]]),
+            body("Name a colour.", max_tokens=16, temperature=0.9, seed=rng.randrange(2**31), n=3)]
+        wants = []
+        for b in requests:
+            want = post(ref_url, b)
+            cold, warm = post(url, b), post(url, b)
+            assert answers(cold) == answers(want) and answers(warm) == answers(want), (b["messages"][1], answers(want),
+                                                                                       answers(cold), answers(warm))
+            n = warm["usage"]["prompt_tokens"]
+            assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == _frontier(n) > 0
+            assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            wants.append(answers(want))
+    # what the reference answers are (so that the agreement above means something)
+    (_, doc, reason), = wants[0]
+    assert reason == "stop" and set(json.loads(doc)) == {"name", "age"}, doc
+    assert wants[1] == [(0, text[:k], "stop")]
+    assert len(wants[2]) == 3 and len({content for _, content, _ in wants[2]}) > 1, wants[2]
 
 
 @pytest.mark.parametrize("trial", range(3))
