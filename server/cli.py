@@ -196,6 +196,10 @@ def add_serve_parser(sub) -> None:
                    help="prompt-prefix cache entries: a request whose prompt begins with an earlier one's prefills "
                         "only the rest (one GDN state snapshot per entry on every rank; its KV pages stay in the "
                         f"pool until evicted); 0..{MAX_CONCURRENCY}, 0 turns it off (default: max-concurrency)")
+    s.add_argument("--snapshot-in-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefix cache: save a frontier that falls inside a prefill chunk of more than 16 columns "
+                        "mid-step (default); --no-snapshot-in-step ends the chunk there instead, and the rest of "
+                        "the prompt takes a step of its own")
     s.add_argument("--threads-per-rank", type=_positive_int, default=None,
                    help="torch threads per rank process (default 1)")
     s.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",

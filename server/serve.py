@@ -95,6 +95,7 @@ def serve(args, argv: list[str]) -> int:
                             pending_timeout_s=args.pending_timeout_s, prefill_chunk=args.prefill_chunk,
                             max_step_tokens=args.max_step_tokens, max_context=max_context,
                             kv_capacity=args.kv_capacity, prefix_cache=args.prefix_cache,
+                            snapshot_in_step=args.snapshot_in_step,
                             threads_per_rank=args.threads_per_rank,
                             log_level=args.log_level, spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
                             backend=args.backend,

@@ -239,3 +239,22 @@ def test_prefix_cache_entries_past_max_concurrency_are_refused(capsys):
     for n in (0, MAX_CONCURRENCY):
         assert build_parser().parse_args(["serve", "--prefix-cache", str(n)]).prefix_cache == n
         assert EngineOptions(prefix_cache=n).prefix_cache == n
+
+
+@pytest.mark.parametrize("flags,want", [([], True), (["--no-snapshot-in-step"], False), (["--snapshot-in-step"], True)])
+def test_serve_snapshot_in_step_reaches_the_engine_options(flags, want, monkeypatch):
+    """serve --no-snapshot-in-step (the prefix cache's chunks end on frontiers) reaches EngineOptions;
+    the options are caught where serve sizes the KV pool, before anything starts or listens."""
+    import runtime.coordinator as coordinator
+    from server.cli import build_parser
+    from server.serve import serve
+
+    seen = []
+
+    def caught(options, *_a, **_k):
+        seen.append(options)
+        raise ValueError("stop here")
+    monkeypatch.setattr(coordinator, "kv_pool_tokens", caught)
+    argv = ["serve", "--device", "cpu", *flags]
+    assert serve(build_parser().parse_args(argv), argv) == 2
+    assert [o.snapshot_in_step for o in seen] == [want]
