@@ -66,6 +66,7 @@ class FakeEngine:
         self.healthy, self.failure, self.shut_down = True, None, False
         self.raise_on_submit: Exception | None = None
         self.pages_total = pages_total
+        self.cached_tokens = 0          # prompt tokens a request "took from the prefix cache", as the engine reports them
         self.eos = tokenizer.token_to_id("<|im_end|>")
         self._ids = itertools.count(1)
 
@@ -85,10 +86,13 @@ class FakeEngine:
         stream = RequestStream(next(self._ids))
         self.submitted.append(SimpleNamespace(id=stream.id, prompt_ids=list(prompt_ids), params=params,
                                               stop_token_ids=stop_token_ids, output_ids=ids))
-        for n, t in enumerate(ids[:-1]):
-            stream._push(Event(stream.id, [t], logprobs=self.logprobs_of(n, t, params)))
+        cached = min(self.cached_tokens, len(prompt_ids) - 1)
+        for n, t in enumerate(ids[:-1]):       # the engine's first event carries cached_tokens, as its usage does
+            stream._push(Event(stream.id, [t], logprobs=self.logprobs_of(n, t, params),
+                               cached_tokens=cached if n == 0 and cached else None))
         stream._push(Event(stream.id, [ids[-1]], finish_reason=finish,
-                           usage=dict(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)),
+                           usage=dict(prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
+                                      **({"cached_tokens": cached} if cached else {})),
                            timings=dict(ttft_s=0.001, total_s=0.002),
                            logprobs=self.logprobs_of(len(ids) - 1, ids[-1], params)))
         return stream

@@ -324,6 +324,28 @@ def test_parallel_tool_calls_false_stops_after_the_first_call(fake):
     assert usage.completion_tokens < fake.engine.submitted[1].output_ids.index(end_call)
 
 
+@pytest.mark.parametrize("end", ["one call", "stop string"])
+def test_cached_tokens_are_reported_when_the_server_ends_a_run_early(fake, end):
+    """A run the server ends before the engine's last event (parallel_tool_calls false after the first
+    call, a stop string) still reports the prompt tokens the engine took from the prefix cache: they
+    come with the first event (a regression: such requests reported 0 after a cache hit)."""
+    fake.engine.cached_tokens = 16
+    try:
+        if end == "one call":
+            fake.engine.script(*["</think>\n\n" + CALL + "\n" + CALL2] * 2)
+            kw = dict(tools=[WEATHER, TIME], parallel_tool_calls=False)
+        else:
+            fake.engine.script(*["</think>\n\nParis is the capital. Rome is another."] * 2)
+            kw = dict(stop=["Rome"])
+        ns, s, r, usage = both(fake.client, messages=USER, **kw)
+    finally:
+        fake.engine.cached_tokens = 0
+    assert fake.engine.cancelled == [x.id for x in fake.engine.submitted]      # both ended before the last event
+    assert ns["finish"] == (["tool_calls"] if end == "one call" else ["stop"])
+    for u in (r.usage, usage):
+        assert u.prompt_tokens_details.cached_tokens == 16, u
+
+
 def test_a_stop_string_inside_a_call_finishes_stop_not_tool_calls(fake):
     """A stop string that matches inside a call's arguments cuts the call off: the finish is "stop"
     (as a max_tokens cut-off keeps "length"), so no client runs a call with truncated arguments; one
