@@ -107,6 +107,15 @@ class KeptColumns:
     batched: dict | None = None
 
 
+def conv_window(old: Tensor, x: Tensor, fresh: bool) -> Tensor:
+    """A GDN conv window [C, K-1] (the last K-1 pre-conv inputs, oldest first) after the inputs x [u, C],
+    continuing from the window `old` (zeros for a fresh sequence): an in-step snapshot's (Batch.saves)."""
+    K1 = old.shape[-1]
+    if x.shape[0] >= K1:
+        return x[-K1:].t()
+    return torch.cat([torch.zeros_like(old) if fresh else old, x.t().to(old.dtype)], 1)[:, -K1:]
+
+
 def commit_batched(kept: KeptColumns, state: ModelState, accepted: list[int]) -> None:
     """HybridModel.commit for the batched form: per GDN layer, one gather of the kept recurrent
     states (row i*T + a_i) into the slots, and one gather of the conv windows (rows a_i+1 .. a_i+K-1
@@ -380,8 +389,7 @@ class HybridModel:
             if self._keep is not None and self._keep[b]:
                 out[lo:hi] = self._gdn_kept(j, qkv[lo:hi], conv_w, g[lo:hi], beta[lo:hi], slot, fresh, state)
                 continue
-            old = None if fresh else state.conv[j][slot]
-            y, conv_state = ops.causal_conv1d(qkv[lo:hi], conv_w, old)
+            y, conv_state = ops.causal_conv1d(qkv[lo:hi], conv_w, None if fresh else state.conv[j][slot])
             q, k, v = torch.split(y, [HK * DK, HK * DK, HV * DV], dim=-1)
             T = hi - lo
             q, k = ops.gdn_prepare_qk(q.view(T, HK, DK), k.view(T, HK, DK), HV // HK)
@@ -392,7 +400,7 @@ class HybridModel:
                 o, rec = ops.gated_delta_rule(q[at:u], k[at:u], v[at:u], g[lo + at:lo + u], beta[lo + at:lo + u], rec)
                 out[lo + at:lo + u] = o.to(self.dtype)
                 if snap is not None:                    # the state after u columns: window and rule
-                    state.snap_conv[j][snap] = ops.causal_conv1d(qkv[lo:lo + u], conv_w, old)[1]
+                    state.snap_conv[j][snap] = conv_window(state.conv[j][slot], qkv[lo:lo + u], fresh)
                     state.snap_recurrent[j][snap] = rec
                 at = u
             state.conv[j][slot] = conv_state

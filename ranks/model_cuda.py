@@ -36,7 +36,7 @@ from kernels import launch
 from kernels import reference as ops
 from kernels.quant import QuantWeight, cat_rows, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
 from ranks.kvcache import ModelState
-from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched
+from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched, conv_window
 from runtime.config import FULL_ATTENTION, PAGE_SIZE, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -505,13 +505,8 @@ class CudaHybridModel(HybridModel):
         where the point is that close to the step's start; taken before the conv moves the window."""
         for b, (lo, _) in enumerate(host.bounds):
             for u, snap in host.saves_of(b):
-                old = state.conv[j][host.slots[b]]                          # [C, K-1], oldest first
-                K1 = old.shape[-1]
-                if u >= K1:
-                    win = qkv[lo + u - K1:lo + u].t()
-                else:
-                    win = torch.cat([old if host.starts[b] else torch.zeros_like(old), qkv[lo:lo + u].t()], 1)[:, -K1:]
-                state.snap_conv[j][snap].copy_(win)
+                state.snap_conv[j][snap].copy_(conv_window(state.conv[j][host.slots[b]], qkv[lo:lo + u],
+                                                           host.starts[b] == 0))
 
     def _rule_parts(self, host: Batch) -> list[tuple]:
         """A long step's gated delta rule split at its in-step saves, as launches over contiguous row
@@ -535,23 +530,17 @@ class CudaHybridModel(HybridModel):
                 cur = []
         if cur:
             groups.append(cur)
-        bounds, words, shapes = host.bounds, [], []
+        layout, words = [], []                          # per launch: (r0, rows, first word, sequences, longest, save)
         for g in groups:
             lens = [c1 - c0 for _, c0, c1, _ in g]
+            b, _, _, snap = g[-1]
+            layout.append((host.bounds[g[0][0]][0] + g[0][1], sum(lens), len(words), len(g), max(lens),
+                           None if snap is None else (host.slots[b], snap)))
             words += [host.slots[b] for b, *_ in g] + [0] + np.cumsum(lens).tolist() + \
                 [1 if c0 == 0 and host.starts[b] == 0 else 0 for b, c0, _, _ in g]
-            shapes.append(len(g))
         dev = torch.tensor(words, dtype=torch.int32).to(self.device)
-        parts, at = [], 0
-        for g, B in zip(groups, shapes):
-            p_slots, p_cu, p_fresh = dev[at:at + B], dev[at + B:at + 2 * B + 1], dev[at + 2 * B + 1:at + 3 * B + 1]
-            at += 3 * B + 1
-            b0, c0 = g[0][0], g[0][1]
-            r0 = bounds[b0][0] + c0
-            n = sum(c1 - c0 for _, c0, c1, _ in g)
-            last = g[-1]
-            save = (host.slots[last[0]], last[3]) if last[3] is not None else None
-            parts.append((r0, r0 + n, p_slots, p_cu, p_fresh, max(c1 - c0 for _, c0, c1, _ in g), save))
+        parts = [(r0, r0 + n, dev[at:at + B], dev[at + B:at + 2 * B + 1], dev[at + 2 * B + 1:at + 3 * B + 1], longest,
+                  save) for r0, n, at, B, longest, save in layout]
         self._rule_parts_of = (host, parts)
         return parts
 

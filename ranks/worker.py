@@ -223,7 +223,7 @@ class Worker:
                 self._fill_last_sampled(plan.step, seq_ids, columns, tokens)
         batch_tokens = torch.from_numpy(np.maximum(tokens, 0))    # fed columns: overwritten from the device
         batch = Batch(batch_tokens, columns, starts, plan.slots.tolist(),
-                      torch.from_numpy(plan.page_tables.astype(np.int32)), self._saves_inside(plan))
+                      torch.from_numpy(plan.page_tables.astype(np.int32)), self._split_saves(plan)[0])
         if self.profiler is not None:
             self.profiler.mark("prepared")
         if feed is None:
@@ -282,23 +282,22 @@ class Worker:
             self.samplers[int(sid)].observe(np.asarray(ids).tolist(), 0)
 
     @staticmethod
-    def _saves_inside(plan: msg.StepPlan) -> list[tuple[int, int, int]]:
-        """The plan's snapshot saves that fall inside a sequence's columns, as Batch.saves (b, u, snap)."""
+    def _split_saves(plan: msg.StepPlan) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """The plan's snapshot saves: those inside a sequence's columns as Batch.saves (b, u, snap),
+        and those at the end of its columns as (slot, snap), made after the forward."""
         slots, columns = plan.slots.tolist(), plan.columns.tolist()
-        out = []
+        inside, after = [], []
         for slot, snap, u in plan.snapshot_saves:
             b = slots.index(int(slot))
             if int(u) < columns[b]:
-                out.append((b, int(u), int(snap)))
-        return out
+                inside.append((b, int(u), int(snap)))
+            else:
+                after.append((int(slot), int(snap)))
+        return inside, after
 
     def _save_snapshots(self, plan: msg.StepPlan) -> None:
-        """The plan's snapshot saves at the end of their sequence's columns (the others were made in
-        the step: Batch.saves)."""
-        slots, columns = plan.slots.tolist(), plan.columns.tolist()
-        for slot, snap, u in plan.snapshot_saves:
-            if int(u) >= columns[slots.index(int(slot))]:
-                self.state.save_snapshot(int(slot), int(snap))
+        for slot, snap in self._split_saves(plan)[1]:
+            self.state.save_snapshot(slot, snap)
 
     def _set_masks(self, plan: msg.StepPlan) -> None:
         """Structured outputs: each constrained sequence's allowed ids for the token it samples in this
@@ -463,7 +462,7 @@ class Worker:
             lo, hi = bounds[b]
             self.samplers[sid].observe(tokens[lo:hi - ndraft[b]].tolist(), starts[b])
         batch = Batch(torch.from_numpy(tokens), columns, starts, plan.slots.tolist(),
-                      torch.from_numpy(plan.page_tables.astype(np.int32)), self._saves_inside(plan))
+                      torch.from_numpy(plan.page_tables.astype(np.int32)), self._split_saves(plan)[0])
         if self.gpu_rounds is not None and not batch.saves:
             smp = [self.samplers[sid] for sid in seq_ids]
             stops = [sorted(self.stops.get(sid, ())) for sid in seq_ids]

@@ -385,8 +385,8 @@ class Scheduler:
         if self.cache is None or s.params.prompt_logprobs is not None:
             return False
         best = hit.frontier if hit is not None else 0
-        return any(f > best and len(s.prompt) >= f + 2 and s.prompt[:f + 1] == r.prompt[:f + 1]
-                   for r in self.running for f in r.save_at)
+        return any(f > best and len(s.prompt) >= f + 2 and s.prompt[f] == r.prompt[f]
+                   and s.prompt[:f + 1] == r.prompt[:f + 1] for r in self.running for f in r.save_at)
 
     def _admissible(self, s: Sequence) -> bool:
         """Whether _admit would admit `s` now (given a free slot): its pages, less those a cache hit

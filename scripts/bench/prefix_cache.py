@@ -111,7 +111,9 @@ def main(argv=None) -> int:
         vocab = cfg["vocab_size"]
     res = dict(model=args.model, device=args.device, tp=args.tp, dtype=dtype, weights=args.weights,
                date=time.strftime("%Y-%m-%d"), commit=os.environ.get("TANDEM_COMMIT"), runs=[])
-    ms = lambda x: f"{x * 1e3:7.1f}ms" if x is not None else f"{'-':>9s}"          # noqa: E731
+    def ms(x: float | None) -> str:
+        return f"{x * 1e3:7.1f}ms" if x is not None else f"{'-':>9s}"
+
     print(f"{'context':>8s} {'engine':>10s} {'TTFT':>9s} {'vs off':>7s} {'one-shot':>9s} {'vs off':>7s} "
           f"{'cached / prompt (last turn)':>28s}")
     for context in args.context:
