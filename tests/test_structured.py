@@ -364,6 +364,26 @@ def test_masked_logits_are_the_logits_with_disallowed_ids_at_minus_inf(shards):
     assert t == int(np.flatnonzero(allow)[np.argmax(logits.numpy()[allow])])
 
 
+# bfloat16 logits differ by column count (a step of one row and one of many take different GEMV routes,
+# so different summation orders): two greedy runs of one prompt may part where the top two are this close
+BF16_TIE = 0.25
+
+
+def _same_greedy_up_to_a_near_tie(got, alone):
+    """`got` (a greedy run beside other requests) equals `alone` (the same request alone) or parts from it
+    only where both runs' top two are within BF16_TIE and each picked the other's second choice; a mask
+    leaking from a constrained row would force a token no such near tie explains."""
+    for i, (a, b) in enumerate(zip(alone.tokens, got.tokens)):
+        if a == b:
+            continue
+        for run, mine, other in ((alone, a, b), (got, b, a)):
+            (first, lp1), (second, lp2) = run.logprobs[i][1][:2]     # [logprob, [[id, logprob], ...]]
+            assert first == mine and second == other and lp1 - lp2 < BF16_TIE, (
+                f"greedy runs part at {i} ({a} alone, {b} beside others) at no near tie: {run.logprobs[i]}")
+        return
+    assert got.tokens == alone.tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(), dict(spec_draft_tokens=3), dict(device_feed=False)],
                          ids=["fed", "spec", "plain"])
@@ -380,11 +400,11 @@ def test_constrained_outputs_on_the_gpu(tok, opts):
     forced = ("forced", tok.encode("Hello"), SamplingParams(temperature=0.0, max_new_tokens=40,
                                                             grammar=G.regex_grammar(re.escape(target), "r")), None)
     free = ("free", tok.encode("Once upon a time"), SamplingParams(temperature=0.0, max_new_tokens=24,
-                                                                   ignore_eos=True), None)
+                                                                   ignore_eos=True, logprobs=2), None)
     with Engine.start(PACKAGED_DIR, tp=1, device="cuda", dtype="bfloat16", options=EngineOptions(**opts, **OPTS)) as eng:
         alone = _run(eng, [free])[0]
         results = _run(eng, reqs + [forced, free])
-    assert results[-1].tokens == alone.tokens
+    _same_greedy_up_to_a_near_tie(results[-1], alone)
     assert results[-2].error is None and tok.decode(results[-2].tokens) == target
     for (name, _, params, ok), r in zip(reqs, results):
         assert r.error is None, (name, r.error)
