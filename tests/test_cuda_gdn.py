@@ -68,7 +68,8 @@ def make_batch(lengths: list[int], gen: torch.Generator, spare: int = 3):
 # conv1d
 
 
-CONV_CASES = [(s, 4) for s in ("27b", "35b", "27b-tp2", "tiny16", "gva3", "dk64-dv24")] + [("tiny16", 2), ("gva3", 3)]
+CONV_CASES = ([(s, 4) for s in ("27b", "35b", "27b-tp2", "tiny16", "gva3", "dk64-dv24")]
+              + [("tiny16", 2), ("gva3", 3), ("gva3", 5), ("tiny16", 8)])    # every K is its own instantiation
 
 
 @pytest.mark.parametrize("update_state", [True, False])

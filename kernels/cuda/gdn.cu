@@ -9,7 +9,8 @@
 // gdn_conv1d_bf16       depthwise causal conv + SiLU over each sequence's columns, continuing from the
 //                       slot's window [S, C, K-1]; y = bf16(silu(bf16(sum_j w_j x_{t-K+1+j}))), the sum
 //                       in fp32 (kernels/reference.causal_conv1d). One thread per (channel, sequence,
-//                       chunk of 16 columns): the conv has no recurrence, so chunks run in parallel;
+//                       chunk of 16 columns, all loaded before the first is computed): the conv has no
+//                       recurrence, so chunks run in parallel;
 //                       chunk 0 alone reads the old window and writes the new one (the last K-1
 //                       inputs, read back from x), so no other thread touches the slot's window.
 // gdn_recurrent_dkXX    gates, q/k l2norm and the gated delta rule, fp32 state in registers across the
@@ -32,15 +33,14 @@ __device__ __forceinline__ float gdn_softplus(float x) { return x > 20.f ? x : l
 // --------------------------------------------------------------------------------------------------
 // Causal conv1d
 
-extern "C" __global__ void __launch_bounds__(128)
-gdn_conv1d_bf16(bf16_t* __restrict__ out,                // [N, C]
-                const bf16_t* __restrict__ x,            // [N, C] pre-conv inputs
-                const bf16_t* __restrict__ weight,       // [C, K]
-                bf16_t* __restrict__ conv_state,         // [S, C, K-1]
-                const int* __restrict__ slots, const int* __restrict__ cu_seqlens,
-                const int* __restrict__ fresh, int N, int C, int K, int update_state)
+// K a compile-time constant, so the window and the chunk's inputs stay in registers through the
+// unrolled column loop (with K at run time ptxas put them on the stack).
+template <int K>
+__device__ __forceinline__ void gdn_conv1d_body(bf16_t* __restrict__ out, const bf16_t* __restrict__ x,
+                                                const bf16_t* __restrict__ weight, bf16_t* __restrict__ conv_state,
+                                                const int* __restrict__ slots, const int* __restrict__ cu_seqlens,
+                                                const int* __restrict__ fresh, int N, int C, int update_state)
 {
-    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int bseq = blockIdx.y;
@@ -76,22 +76,33 @@ gdn_conv1d_bf16(bf16_t* __restrict__ out,                // [N, C]
 #pragma unroll
     for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) old[j] = win[j];
 
-    for (int t = t0; t < t1; ++t) {
-        const float xt = bf16_to_f32(x[(i64_t)(lo + t) * C + c]);
-        float acc = 0.f;
+    // The chunk's inputs loaded up front: sixteen loads in flight per thread (one at a time, a prefill
+    // chunk's conv ran at an eighth of the memory bandwidth).
+    float xs[GDN_CONV_COLS];
 #pragma unroll
-        for (int j = 0; j < GDN_CONV_MAX_K; ++j) {
-            if (j < K) {
-                const float xv = j < W ? win[min(j, GDN_CONV_MAX_K - 2)] : xt;     // j == W: the new input
-                acc = __fadd_rn(acc, __fmul_rn(w[j], xv));
+    for (int i = 0; i < GDN_CONV_COLS; ++i)
+        xs[i] = t0 + i < t1 ? bf16_to_f32(x[(i64_t)(lo + t0 + i) * C + c]) : 0.f;
+
+#pragma unroll
+    for (int i = 0; i < GDN_CONV_COLS; ++i) {
+        const int t = t0 + i;
+        if (t < t1) {
+            const float xt = xs[i];
+            float acc = 0.f;
+    #pragma unroll
+            for (int j = 0; j < GDN_CONV_MAX_K; ++j) {
+                if (j < K) {
+                    const float xv = j < W ? win[min(j, GDN_CONV_MAX_K - 2)] : xt;     // j == W: the new input
+                    acc = __fadd_rn(acc, __fmul_rn(w[j], xv));
+                }
             }
+    #pragma unroll
+            for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {   // shift the window by one column
+                if (j < W - 1) win[j] = win[min(j + 1, GDN_CONV_MAX_K - 2)];
+                else if (j == W - 1) win[j] = xt;
+            }
+            out[(i64_t)(lo + t) * C + c] = f32_to_bf16(gdn_silu(gdn_round_bf16(acc)));
         }
-#pragma unroll
-        for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {   // shift the window by one column
-            if (j < W - 1) win[j] = win[min(j + 1, GDN_CONV_MAX_K - 2)];
-            else if (j == W - 1) win[j] = xt;
-        }
-        out[(i64_t)(lo + t) * C + c] = f32_to_bf16(gdn_silu(gdn_round_bf16(acc)));
     }
 
     // New window = the last W entries of [old window, x_lo .. x_{hi-1}]: entry j is column T - W + j.
@@ -112,6 +123,26 @@ gdn_conv1d_bf16(bf16_t* __restrict__ out,                // [N, C]
                 st[j] = v;
             }
         }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+gdn_conv1d_bf16(bf16_t* __restrict__ out,                // [N, C]
+                const bf16_t* __restrict__ x,            // [N, C] pre-conv inputs
+                const bf16_t* __restrict__ weight,       // [C, K]
+                bf16_t* __restrict__ conv_state,         // [S, C, K-1]
+                const int* __restrict__ slots, const int* __restrict__ cu_seqlens,
+                const int* __restrict__ fresh, int N, int C, int K, int update_state)
+{
+    pdl_enter();
+    switch (K) {                                         // 2..GDN_CONV_MAX_K (the wrapper checks)
+    case 2: gdn_conv1d_body<2>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+    case 3: gdn_conv1d_body<3>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+    case 4: gdn_conv1d_body<4>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+    case 5: gdn_conv1d_body<5>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+    case 6: gdn_conv1d_body<6>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+    case 7: gdn_conv1d_body<7>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+    case 8: gdn_conv1d_body<8>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
     }
 }
 
