@@ -170,6 +170,11 @@ class Checkpoint:
             for p in paths:
                 if not os.path.isfile(p):
                     raise CheckpointError(f"{index}: names shard {os.path.basename(p)!r}, which is missing")
+            if SINGLE_FILE not in files and os.path.isfile(os.path.join(self.dir, SINGLE_FILE)):
+                # transformers loads model.safetensors first, other loaders the index: one of them is stale
+                raise CheckpointError(f"{self.dir}: holds both {SINGLE_FILE} and {INDEX_FILE}, which does not name "
+                                      f"it; transformers would load {SINGLE_FILE}, other loaders the index's "
+                                      "shards: remove the stale one")
             return paths
         single = os.path.join(self.dir, SINGLE_FILE)
         if os.path.isfile(single):

@@ -568,3 +568,34 @@ def test_moe_without_a_shared_expert_saved_by_transformers_loads_and_matches(tmp
     _save(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(Exception, match="shared_expert_gate"):
         validate(Checkpoint(str(tmp_path)), spec)
+
+
+def test_stale_single_file_beside_a_shard_index_is_not_loaded_silently(tmp_path, seed):
+    """A directory with a shard index and a model.safetensors the index does not name (a re-save or
+    re-download over an older copy with another shard size leaves both): transformers loads
+    model.safetensors, other loaders the index. tandem must not quietly load other weights than
+    transformers does: it either matches transformers' logits or refuses naming both files."""
+    from ranks.weights import INDEX_FILE, SINGLE_FILE, CheckpointError
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, intermediate_size=64)
+    gen = torch.Generator().manual_seed(seed)
+    sharded, single = (transformers.Qwen3_5ForCausalLM(cfg).eval() for _ in range(2))
+    randomise_(sharded, gen)
+    randomise_(single, gen)
+    sharded.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    single.save_pretrained(tmp_path / "other")
+    os.replace(tmp_path / "other" / SINGLE_FILE, tmp_path / "m" / SINGLE_FILE)
+    assert (tmp_path / "m" / INDEX_FILE).is_file()
+    ids = torch.randint(0, VOCAB, (23,), generator=gen)
+    with torch.no_grad():
+        want = _hf_logits(transformers.Qwen3_5ForCausalLM.from_pretrained(tmp_path / "m").eval(), ids)
+        assert rel(want, _hf_logits(single, ids)) < LAYOUT_TOL     # transformers took model.safetensors
+    try:
+        model = HybridModel.from_dir(str(tmp_path / "m"))
+    except CheckpointError as e:
+        assert SINGLE_FILE in str(e) and INDEX_FILE in str(e), str(e)
+        return
+    errs = _row_rel(_prefill(model, ids, seed), want)
+    assert errs.max() < FP32_TOL, f"tandem loaded other weights than transformers: {_worst(errs)}"

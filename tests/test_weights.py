@@ -603,6 +603,13 @@ def case_index_without_weight_map(tmp_path, seed):
     return d, CheckpointError, [os.path.join(d, INDEX_FILE), "weight_map"]
 
 
+def case_stale_single_file_beside_index(tmp_path, seed):
+    d, _, _ = _single(tmp_path, seed, max_shard_bytes=64 * 1024)
+    other = write_model(tmp_path / "other", config(), random_weights(make_spec(), seed + 1))
+    os.replace(_file(other), _file(d))                     # transformers would load this one, not the shards
+    return d, CheckpointError, [d, SINGLE_FILE, INDEX_FILE, "stale"]
+
+
 def case_no_weight_files(tmp_path, seed):
     d, _, _ = _single(tmp_path, seed)
     os.remove(_file(d))
@@ -762,6 +769,7 @@ BAD = {
     "index_names_missing_shard": case_index_names_missing_shard,
     "index_corrupt_json": case_index_corrupt_json,
     "index_without_weight_map": case_index_without_weight_map,
+    "stale_single_file_beside_index": case_stale_single_file_beside_index,
     "no_weight_files": case_no_weight_files,
     # duplicates
     "duplicate_across_prefixes": case_duplicate_across_prefixes,
