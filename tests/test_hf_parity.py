@@ -17,7 +17,9 @@ recurrent delta-rule path) identical to ``generate``, with every step's logits w
 layouts load to identical weights in tandem; transformers itself loads the official layout
 (CausalLM and ConditionalGeneration) with the same logits; a bfloat16 drift report against
 transformers in bfloat16 (a noise-relative bound, not parity); and bf16 equality with transformers'
-eager paths (expected to fail until the conv rounding in kernels/reference.py is fixed).
+eager paths (expected to fail until the conv rounding in kernels/reference.py is fixed). Uncommon shapes
+(conv kernels 1-6, widths not multiples of 64, no or one attention layer, top-1 / top-all routing) get a
+prefill, decode steps and tp 2 shards each.
 
 For MoE configs, prompts whose reference run puts some router's k-th and (k+1)-th logits within
 ROUTER_GAP of each other are redrawn (deterministically): at such a near-tie float32 rounding alone
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -599,3 +602,102 @@ def test_stale_single_file_beside_a_shard_index_is_not_loaded_silently(tmp_path,
         return
     errs = _row_rel(_prefill(model, ids, seed), want)
     assert errs.max() < FP32_TOL, f"tandem loaded other weights than transformers: {_worst(errs)}"
+
+
+# Shapes the CONFIGS above leave out: conv kernels other than 4 (the conv state is K - 1 columns), widths
+# that are not multiples of 64 (hidden, intermediate, vocabulary), no attention layer or one, top-1 and
+# top-all routing, odd expert widths. Each: a 70-token prefill (two chunks of the delta rule) and greedy
+# decode steps against transformers' full forward (generate() itself fails without an attention layer),
+# and tp 2 shards summed in threads where tp 2 divides the model, else the refusal naming the field.
+UNCOMMON = {
+    "dense-conv3-h96-i100-v250-FLLF-dk8-dv24": (False, dict(
+        hidden_size=96, intermediate_size=100, vocab_size=250, linear_conv_kernel_dim=3, num_hidden_layers=4,
+        layer_types=[FA, LA, LA, FA], num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=24)),
+    "dense-conv6-all-linear-tied": (False, dict(
+        linear_conv_kernel_dim=6, num_hidden_layers=3, layer_types=[LA] * 3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=64, tie_word_embeddings=True)),
+    "dense-conv2-h200-v301-LLLF": (False, dict(
+        hidden_size=200, intermediate_size=37, vocab_size=301, linear_conv_kernel_dim=2, num_hidden_layers=4,
+        layer_types=[LA, LA, LA, FA], num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=12, linear_value_head_dim=10)),
+    "moe-conv5-top1-i34-v250": (True, dict(
+        vocab_size=250, linear_conv_kernel_dim=5, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=6, num_experts_per_tok=1, moe_intermediate_size=34,
+        shared_expert_intermediate_size=18)),
+    "moe-conv1-topall-i33-FF": (True, dict(
+        linear_conv_kernel_dim=1, num_hidden_layers=3, layer_types=[LA, FA, FA], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=3, num_experts_per_tok=3,
+        moe_intermediate_size=33, shared_expert_intermediate_size=16)),
+}
+
+
+@pytest.mark.parametrize("moe,kwargs", UNCOMMON.values(), ids=UNCOMMON.keys())
+def test_uncommon_shapes_match_transformers(tmp_path, seed, moe, kwargs):
+    from ranks.sharding import ShardError, load_shard
+    from tests.test_sharding import ThreadAllReduce
+    kw = dict(max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+              rope_parameters=_rope(kwargs["head_dim"]), **kwargs)
+    kw.setdefault("vocab_size", VOCAB)
+    kw.setdefault("hidden_size", HIDDEN)
+    cfg = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig)(**kw)
+    gen = torch.Generator().manual_seed(seed)
+    hf = _hf_causal_class(moe)(cfg).eval()
+    if moe:
+        hf.set_experts_implementation("eager")         # grouped_mm wants 16-byte strides (widths 33, 34)
+    randomise_(hf, gen)
+    hf.save_pretrained(tmp_path)
+    V, T, steps = cfg.vocab_size, 70, 6
+    for _ in range(MAX_PROMPT_TRIES):
+        ids = torch.randint(0, V, (T,), generator=gen)
+        # top-all routing has no k-th / (k+1)-th gap to tie on
+        if not moe or cfg.num_experts_per_tok == cfg.num_experts or _router_gap(hf, ids) >= ROUTER_GAP:
+            break
+    model = HybridModel.from_dir(str(tmp_path))
+    spec = model.spec
+    assert (spec.conv_kernel, spec.vocab_size, spec.hidden_size) == (kw["linear_conv_kernel_dim"], V, cfg.hidden_size)
+
+    ref = _hf_logits(hf, ids)
+    errs = _row_rel(_prefill(model, ids, seed), ref)
+    assert float(errs.max()) < FP32_TOL, f"prefill: {_worst(errs)}"
+
+    table, pool = _table(math.ceil((T + steps) / PAGE_SIZE), seed)
+    state = model.new_state(num_slots=1, num_pages=pool)
+    logits = model.forward(Batch(ids, [T], [0], [0], table), state, logits="last").logits
+    seq = ids
+    for step in range(steps):
+        want = _hf_logits(hf, seq)[-1]
+        err = rel(logits[0], want)
+        assert err < FP32_TOL, f"decode step {step}: relative error {err:.3e}"
+        tok = ops.greedy(logits)
+        assert int(tok[0]) == int(want.argmax()), f"decode step {step}: greedy token differs"
+        seq = torch.cat([seq, tok])
+        logits = model.forward(Batch(tok, [1], [T + step], [0], table), state, logits="last").logits
+
+    conflict = spec.tp_conflict(2)
+    if conflict:
+        with pytest.raises(ShardError, match="tp 2 does not divide"):
+            load_shard(Checkpoint(str(tmp_path)), spec, 0, 2)
+        return
+    reduce, parts, errors = ThreadAllReduce(2), {}, []
+
+    def run(rank: int) -> None:
+        try:
+            shard = HybridModel(spec, load_shard(Checkpoint(str(tmp_path)), spec, rank, 2), tp=2,
+                                all_reduce=reduce.for_rank(rank))
+            parts[rank] = _prefill(shard, ids, seed)
+        except BaseException as e:       # a dead thread would hang the barrier
+            errors.append(e)
+            reduce.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    errs = _row_rel(torch.cat([parts[0], parts[1]], dim=-1), ref)       # vocabulary shards side by side
+    assert float(errs.max()) < FP32_TOL, f"tp 2: {_worst(errs)}"
