@@ -17,9 +17,9 @@ recurrent delta-rule path) identical to ``generate``, with every step's logits w
 layouts load to identical weights in tandem; transformers itself loads the official layout
 (CausalLM and ConditionalGeneration) with the same logits; a bfloat16 drift report against
 transformers in bfloat16 (a noise-relative bound, not parity); and bf16 equality with transformers'
-eager paths (expected to fail until the conv rounding in kernels/reference.py is fixed). Uncommon shapes
-(conv kernels 1-6, widths not multiples of 64, no or one attention layer, top-1 / top-all routing) get a
-prefill, decode steps and tp 2 shards each.
+eager paths (equal to a few bf16 ulps). Uncommon shapes (conv kernels 1-6, widths not multiples of
+64, no or one attention layer, top-1 / top-all routing) get a prefill, decode steps and tp 2 shards
+each.
 
 For MoE configs, prompts whose reference run puts some router's k-th and (k+1)-th logits within
 ROUTER_GAP of each other are redrawn (deterministically): at such a near-tie float32 rounding alone
