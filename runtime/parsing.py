@@ -322,8 +322,11 @@ class OutputParser:
         while k < len(buf) and buf[k].isspace():
             k += 1
         rest = buf[k:]
+        # the end of generation inside a call's opening: in content the opening is dropped (content
+        # never holds <tool_call>, and no call was made); reasoning keeps it as text
+        cut = LITERAL if in_reasoning else ("drop", len(buf), "a tool call's opening cut off at end of generation: dropped")
         if not rest:
-            return WAIT if not final else ("literal", None if in_reasoning else "empty <tool_call>")
+            return WAIT if not final else cut
         if rest.startswith(FUNC):
             j = k + len(FUNC)
             gt = buf.find(">", j)
@@ -331,12 +334,12 @@ class OutputParser:
             if not _name_ok(name) or (gt >= 0 and not name):
                 return ("literal", "malformed <function=...> header")
             if gt < 0:
-                return WAIT if not final else ("literal", "<function=...> header cut off at end of generation")
+                return WAIT if not final else cut
             if self._tools is not None and name not in self._tools:
                 return ("literal", f"tool call to unknown function {name!r}")
             return ("call", gt + 1, name)
-        if FUNC.startswith(rest) and not final:
-            return WAIT
+        if FUNC.startswith(rest):
+            return WAIT if not final else cut
         if in_reasoning:
             return LITERAL
         if rest[0] == "{":
@@ -345,6 +348,8 @@ class OutputParser:
                 return WAIT
             body, end = (buf[k:], len(buf)) if q < 0 else (buf[k:q], q + len(END_CALL))
             name, args, why = self._hermes(body)
+            if why and q < 0 and "does not parse" in why:
+                return cut                                # a JSON body the end of generation cut short
             return ("literal", why) if why else ("hermes", end, name, args)
         return ("literal", "<tool_call> not followed by <function=...> or a JSON object")
 

@@ -148,8 +148,15 @@ CASES = [
     ("cut_off_inside_value", "content", call("write_file", [("path", "p")], close=False)
      + "<parameter=content>\nline1\nline2\n", None, None, [("write_file", {"path": "p", "content": "line1\nline2"})],
      ["cut off at end of generation"]),
-    ("cut_off_inside_header", "content", "ok <tool_call>\n<function=get_wea", None,
-     "ok <tool_call>\n<function=get_wea", [], ["cut off"]),
+    # the end of generation inside a call's opening: dropped from content (which never holds <tool_call>),
+    # kept in reasoning
+    ("cut_off_inside_header", "content", "ok <tool_call>\n<function=get_wea", None, "ok", [], ["cut off"]),
+    ("cut_off_after_tool_call", "content", "ok\n\n<tool_call>\n", None, "ok", [], ["cut off"]),
+    ("cut_off_inside_function_tag", "content", "ok <tool_call>\n<func", None, "ok", [], ["cut off"]),
+    ("cut_off_inside_hermes_json", "content", 'ok <tool_call>\n{"name": "get_weather", "argu', None, "ok", [],
+     ["cut off"]),
+    ("cut_off_header_in_reasoning", "reasoning", "plan <tool_call>\n<function=get_wea",
+     "plan <tool_call>\n<function=get_wea", None, [], []),
     ("nested_json_arguments", "content", call("typed", [("o", '{"a": {"b": [1, 2, {"c": null}]}, "d": "x\\"y"}'),
                                                         ("a", '[[1], {"k": [true, false]}]')]),
      None, None, [("typed", {"o": {"a": {"b": [1, 2, {"c": None}]}, "d": 'x"y'}, "a": [[1], {"k": [True, False]}]})],

@@ -578,6 +578,21 @@ def test_a_call_cut_off_by_max_tokens_finishes_with_length(fake):
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
+def test_max_tokens_inside_a_calls_opening_leaves_no_markup_in_content(fake):
+    """max_tokens ends generation before a call's <function=NAME> header is whole: no call was made, so
+    finish_reason length, and the opening is not in the content (which never holds <tool_call>),
+    streamed or not."""
+    for tail in ("<tool_call>\n", "<tool_call>\n<function=get_wea"):
+        text = "</think>\n\nLet me check." + "\n\n" + tail
+        n = len(fake.tok.encode(text))
+        fake.engine.script(text, text)
+        ns, s, r, _ = both(fake.client, messages=USER, tools=[WEATHER], max_tokens=n)
+        same(ns, s)
+        m = r.choices[0].message
+        assert m.content == "Let me check." and not m.tool_calls, (tail, m)
+        assert r.choices[0].finish_reason == "length" and s["finish"] == ["length"]
+
+
 def test_tool_choice_required_with_an_undeclared_name_leaves_no_markup(fake):
     """The forced opening (<tool_call>\\n<function) continued with no declared tool's name is dropped,
     not returned as text the model never wrote."""
