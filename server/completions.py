@@ -104,9 +104,11 @@ def parse(body: dict[str, Any]) -> tuple[list[TextRequest], bool, int]:
     sampling.prompt_logprobs = logprobs if echo else None      # echo + logprobs: the prompt's tokens too
     stop = f.stop("stop")
     grammar = structured.openai_grammar(f)
+    skip_special = f.boolean("skip_special_tokens") is not False
     reqs = [TextRequest(prompt=p, max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                         stop=stop, sampling=dataclasses.replace(sampling), echo=echo, model=model,
-                        api="completions", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream, grammar=grammar)
+                        api="completions", ignore_eos=bool(f.boolean("ignore_eos")), skip_special_tokens=skip_special,
+                        stream=stream, grammar=grammar)
             for p in prompts]
     return reqs, include_usage, n
 

@@ -215,7 +215,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     stats = _Run(service, prepared)
     parser = _parser(service, prepared)
     stops = StopMatcher(req.stop)
-    decoder = service.tokenizer.incremental_decoder()
+    decoder = service.tokenizer.incremental_decoder(skip_special_tokens=req.skip_special_tokens)
     eos = frozenset() if req.ignore_eos else service.stop_token_ids
     want_logprobs = req.sampling.logprobs is not None
     want_prompt = req.sampling.prompt_logprobs is not None

@@ -137,14 +137,15 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
             raise P.bad(f"invalid type for 'chat_template_kwargs.{key}': expected a boolean",
                         f"chat_template_kwargs.{key}")
     f.integer("min_tokens", lo=0)                          # accepted, not applied
-    f.boolean("skip_special_tokens")
+    skip_special = f.boolean("skip_special_tokens")
     include_reasoning = f.boolean("include_reasoning")
     req = ChatRequest(
         messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel is not False,
         thinking=thinking, preserve_thinking=f.boolean("preserve_thinking"), thinking_budget=budget,
         chat_template_kwargs={k: v for k, v in kwargs.items() if v is not None},
         max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling,
-        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), stream=stream, grammar=grammar)
+        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), skip_special_tokens=skip_special is not False,
+        stream=stream, grammar=grammar)
     return req, Options(stream, include_usage, include_reasoning is not False, n)
 
 

@@ -95,6 +95,9 @@ class ChatRequest:
     api: str = "chat"                       # for logs and metrics: chat | responses | messages | zmq
     tool_id_prefix: str = "call_"
     ignore_eos: bool = False
+    # special tokens (<|im_end|>, <|endoftext|>: the tokenizer's special added tokens) left out of the text;
+    # the reasoning / tool-call tags are not special and always decode
+    skip_special_tokens: bool = True
     stream: bool = False                    # for logs only
     # structured outputs: the request's output format compiled by server.structured (an llguidance grammar),
     # None for free text; applied after the reasoning, and only when the model may not call a tool
@@ -112,6 +115,7 @@ class TextRequest:
     model: str | None = None
     api: str = "completions"
     ignore_eos: bool = False
+    skip_special_tokens: bool = True        # as ChatRequest's
     stream: bool = False
     grammar: str | None = None              # structured outputs (server.structured); None for free text
 

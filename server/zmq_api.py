@@ -165,6 +165,7 @@ def parse_chat(msg: dict) -> ChatRequest:
         sampling=_sampling(msg),
         model=_field(msg, "model", (str,)),
         ignore_eos=_field(msg, "ignore_eos", (bool,), False),
+        skip_special_tokens=_field(msg, "skip_special_tokens", (bool,), True),
         grammar=structured.openai_grammar(params.Fields(msg)),
         api="zmq", stream=True)
 
@@ -179,6 +180,7 @@ def parse_tokens(msg: dict) -> TextRequest:
         raise _bad("prompt", "prompt is required: a non-empty string or a list of token ids")
     return TextRequest(prompt=prompt, max_tokens=_max_tokens(msg, 16), stop=_stop(msg), sampling=_sampling(msg),
                        model=_field(msg, "model", (str,)), ignore_eos=_field(msg, "ignore_eos", (bool,), False),
+                       skip_special_tokens=_field(msg, "skip_special_tokens", (bool,), True),
                        grammar=structured.openai_grammar(params.Fields(msg)), api="zmq", stream=True)
 
 

@@ -578,6 +578,27 @@ def test_a_call_cut_off_by_max_tokens_finishes_with_length(fake):
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(fake):
+    """skip_special_tokens (default true, as vLLM): with ignore_eos the model runs past <|im_end|> and
+    <|endoftext|>; chat content and completion text leave them out, streamed or not, and keep them
+    with skip_special_tokens false. The reasoning and tool-call tags are not special and still parse."""
+    text = "</think>\n\nHello<|im_end|> there<|endoftext|>!"
+    n = len(fake.tok.encode(text))
+    for skip, want in ((None, "Hello there!"), (True, "Hello there!"), (False, "Hello<|im_end|> there<|endoftext|>!")):
+        extra = {"ignore_eos": True} | ({} if skip is None else {"skip_special_tokens": skip})
+        fake.engine.script(text, text)
+        ns, s, r, _ = both(fake.client, messages=USER, max_tokens=n, extra_body=extra)
+        same(ns, s)
+        assert r.choices[0].message.content == want and not ns["reasoning"], skip
+        raw = "a<|im_end|>b"
+        fake.engine.script(raw, raw)
+        c = fake.client.completions.create(model="tiny", prompt="x", max_tokens=len(fake.tok.encode(raw)), extra_body=extra)
+        chunks = fake.client.completions.create(model="tiny", prompt="x", max_tokens=len(fake.tok.encode(raw)),
+                                                extra_body=extra, stream=True)
+        streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert c.choices[0].text == streamed == ("a<|im_end|>b" if skip is False else "ab"), skip
+
+
 def test_max_tokens_inside_a_calls_opening_leaves_no_markup_in_content(fake):
     """max_tokens ends generation before a call's <function=NAME> header is whole: no call was made, so
     finish_reason length, and the opening is not in the content (which never holds <tool_call>),

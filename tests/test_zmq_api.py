@@ -333,6 +333,8 @@ def test_client_disconnect_closes_the_generator(server, service):
           {i: 1 for i in range(301)})],
     (pack(type="chat", id=1, messages=user("overflow")), 400, "context_length_exceeded", "messages"),
     (pack(type="tokens", id=1, prompt=[]), 400, "invalid_request", "prompt"),
+    (pack(type="tokens", id=1, prompt=[1], skip_special_tokens="no"), 400, "invalid_request", "skip_special_tokens"),
+    (pack(type="chat", id=1, messages=user("x"), skip_special_tokens=1), 400, "invalid_request", "skip_special_tokens"),
     (pack(type="tokens", id=1, prompt=[1, -2]), 400, "invalid_request", "prompt"),
     (pack(type="count_tokens", id=1, messages="hi"), 400, "invalid_request", "messages"),
     (pack(type="chat", id=1, messages=user("x"), client="has space"), 400, "invalid_request", "client"),
