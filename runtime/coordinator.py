@@ -301,6 +301,9 @@ class Coordinator:
                        max_new_tokens=min(params.max_new_tokens, room), stop_ids=stops)
         if params.grammar is not None:
             seq.constraint = self._constraint(params, stops)
+        if params.min_tokens > 0 and stops:
+            from runtime.grammar import MinTokens
+            seq.constraint = MinTokens(params.min_tokens, stops, V, seq.constraint)
         need = self.scheduler.pages_for(seq)
         if need > self.config.kv_pages:
             raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV; the pool holds "
@@ -503,6 +506,8 @@ class Coordinator:
                         # the document is whole: end here rather than sample an end id (with
                         # ignore_eos one would not end it)
                         self.scheduler.finish(s, "stop")
+                    if getattr(s.constraint, "left", 1) <= 0:       # min_tokens reached: the grammar, or nothing
+                        s.constraint = s.constraint.inner
         hook = self.options.spec_draft_hook
         if hook is not None and drafts is not None:                  # TEST-ONLY (EngineOptions)
             for s in plan.seqs:

@@ -355,6 +355,44 @@ class Constraint:
                 self._pending = True
 
 
+class MinTokens:
+    """min_tokens as a constraint: until `n` tokens are generated the mask leaves out the stop ids,
+    ANDed with the wrapped grammar's mask when the request has one (`inner`); once they are, the
+    coordinator puts `inner` back in its place (speculation and device-fed steps skip constrained
+    sequences). Where the grammar allows nothing but a stop id, the grammar's mask stands."""
+
+    def __init__(self, n: int, stops: frozenset[int], vocab_size: int, inner: Constraint | None = None):
+        self.left, self.inner = n, inner
+        allow = np.ones(vocab_size, dtype=bool)
+        allow[[t for t in stops if 0 <= t < vocab_size]] = False
+        self._ban = np.packbits(allow, bitorder="little")
+
+    @property
+    def error(self) -> str | None:
+        return self.inner.error if self.inner is not None else None
+
+    @property
+    def complete(self) -> bool:
+        return self.inner is not None and self.inner.complete
+
+    def mask(self) -> bytes | None:
+        m = self.inner.mask() if self.inner is not None else None
+        if self.left <= 0:
+            return m
+        if m is None:
+            return self._ban.tobytes()
+        g = np.frombuffer(m, dtype=np.uint8)
+        n = min(g.size, self._ban.size)
+        both = g.copy()
+        both[:n] &= self._ban[:n]
+        return both.tobytes() if both.any() else m
+
+    def advance(self, tokens: list[int]) -> None:
+        self.left -= len(tokens)
+        if self.inner is not None:
+            self.inner.advance(tokens)
+
+
 def mask_shard(mask: bytes, offset: int, n: int) -> np.ndarray:
     """bool [n]: which ids offset .. offset + n - 1 a bitmask allows (ids past its end: none)."""
     bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")

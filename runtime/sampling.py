@@ -25,6 +25,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
     seed: int | None = None
     max_new_tokens: int = 256
+    # vLLM's min_tokens: the stop ids (EOS unless ignore_eos, stop_token_ids) are not sampled before this
+    # many tokens are generated (the server also leaves stop strings unmatched in their text)
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
     banned_token_ids: tuple[int, ...] = field(default=())   # never sampled (e.g. <tool_call> for tool_choice none)
@@ -61,6 +64,8 @@ class SamplingParams:
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "in (0, 10]")
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
                self.max_new_tokens, "an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0,
+               "min_tokens", self.min_tokens, "an integer >= 0")
         # the seed travels to the ranks in msgpack, whose integers are 64-bit
         _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64), "seed", self.seed,
                "an integer in [-2**63, 2**64)")

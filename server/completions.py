@@ -34,7 +34,7 @@ from server.disconnect import Guarded, until_disconnect
 from server.errors import openai_error_body
 from server import choices
 from server import structured
-from server.openai_chat import choices_field, sampling_fields, stream_options
+from server.openai_chat import check_min_tokens, choices_field, sampling_fields, stream_options
 from server.service import (APIError, ContentDelta, Finish, Prepared, PromptLogprobs, Service, TextRequest,
                             TokenLogprobs)
 
@@ -100,6 +100,7 @@ def parse(body: dict[str, Any]) -> tuple[list[TextRequest], bool, int]:
         raise P.bad("suffix is not supported by this model", "suffix")
     max_tokens = f.integer("max_tokens", lo=1)
     sampling = sampling_fields(f)
+    check_min_tokens(sampling, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     sampling.logprobs = logprobs
     sampling.prompt_logprobs = logprobs if echo else None      # echo + logprobs: the prompt's tokens too
     stop = f.stop("stop")

@@ -37,14 +37,17 @@ _DELTAS = {parsing.ReasoningDelta: lambda d: ReasoningDelta(d.text),
 
 class StopMatcher:
     """Finds the first stop string in streamed text. push() returns the text that is certainly before
-    any match, holding back a suffix that could still start one, and the matched string (or None)."""
+    any match, holding back a suffix that could still start one, and the matched string (or None).
+    min_tokens: the text of the first that many tokens (push's `tokens`: the count so far) is not
+    searched (vLLM's min_tokens: no stop before them)."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], min_tokens: int = 0):
         self.stops = [s for s in stops if s]
         self.buf = ""
+        self.min_tokens = min_tokens
 
-    def push(self, text: str) -> tuple[str, str | None]:
-        if not self.stops:
+    def push(self, text: str, tokens: int | None = None) -> tuple[str, str | None]:
+        if not self.stops or (tokens is not None and tokens <= self.min_tokens):
             return text, None
         buf = self.buf + text
         best: tuple[int, str] | None = None
@@ -214,7 +217,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     engine, stream = prepared.submitted
     stats = _Run(service, prepared)
     parser = _parser(service, prepared)
-    stops = StopMatcher(req.stop)
+    stops = StopMatcher(req.stop, prepared.params.min_tokens)
     decoder = service.tokenizer.incremental_decoder(skip_special_tokens=req.skip_special_tokens)
     eos = frozenset() if req.ignore_eos else service.stop_token_ids
     want_logprobs = req.sampling.logprobs is not None
@@ -242,7 +245,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
                 text = decoder.push(tok)
                 if not text:
                     continue
-                text, matched = stops.push(text)
+                text, matched = stops.push(text, stats.n_out)
                 for d in stats.feed(parser, text):
                     yield d
                 if matched is not None:

@@ -77,7 +77,15 @@ def sampling_fields(f: P.Fields) -> Sampling:
                     presence_penalty=f.number("presence_penalty", -2, 2),
                     frequency_penalty=f.number("frequency_penalty", -2, 2),
                     repetition_penalty=f.number("repetition_penalty", 0, 10, lo_open=True),
-                    seed=f.integer("seed", lo=-2**63, hi=2**64 - 1), logit_bias=f.logit_bias("logit_bias"))
+                    seed=f.integer("seed", lo=-2**63, hi=2**64 - 1), logit_bias=f.logit_bias("logit_bias"),
+                    min_tokens=f.integer("min_tokens", lo=0))
+
+
+def check_min_tokens(sampling: Sampling, max_tokens: int | None) -> None:
+    """min_tokens above the request's max_tokens is a 400 naming it (as vLLM)."""
+    if sampling.min_tokens and max_tokens is not None and sampling.min_tokens > max_tokens:
+        raise P.bad(f"invalid value for 'min_tokens': {sampling.min_tokens} is more than max_tokens ({max_tokens})",
+                    "min_tokens")
 
 
 def choices_field(f: P.Fields) -> int:
@@ -119,6 +127,7 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
     sampling.logprobs = chat_logprobs(f)
     max_tokens = f.integer("max_tokens", lo=1)
     mct = f.integer("max_completion_tokens", lo=1)
+    check_min_tokens(sampling, mct if mct is not None else max_tokens)
     tools = P.tools(body.get("tools"))
     choice = P.tool_choice(body.get("tool_choice"), tools)
     parallel = f.boolean("parallel_tool_calls")
@@ -136,7 +145,6 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
         if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], bool):
             raise P.bad(f"invalid type for 'chat_template_kwargs.{key}': expected a boolean",
                         f"chat_template_kwargs.{key}")
-    f.integer("min_tokens", lo=0)                          # accepted, not applied
     skip_special = f.boolean("skip_special_tokens")
     include_reasoning = f.boolean("include_reasoning")
     req = ChatRequest(

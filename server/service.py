@@ -67,6 +67,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] | None = None     # (token id, bias) pairs (OpenAI logit_bias)
     logprobs: int | None = None         # each generated token's logprob + this many alternatives; None: off
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions echo); None: off
+    min_tokens: int | None = None       # vLLM's: no stop id or stop string before this many tokens
 
 
 @dataclass
@@ -549,6 +550,8 @@ class Service:
         if req.sampling.prompt_logprobs is not None:
             values["prompt_logprobs"] = req.sampling.prompt_logprobs
         values.update(max_new_tokens=prepared.max_tokens, ignore_eos=bool(req.ignore_eos))
+        if req.sampling.min_tokens:                 # within what the context leaves (max_tokens is clamped so)
+            values["min_tokens"] = min(req.sampling.min_tokens, prepared.max_tokens)
         if isinstance(req, ChatRequest) and req.tool_choice == "none" and req.tools and self.tool_call_id is not None:
             # the tools stay in the prompt (its cache), the call stays out of the output (api.md §6.9)
             values["banned_token_ids"] = (self.tool_call_id,)

@@ -59,6 +59,7 @@ _SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], float, float, bool]] = {
     "top_k": ((int,), -1, math.inf, False), "min_p": ((int, float), 0, 1, False),
     "presence_penalty": ((int, float), -2, 2, False), "frequency_penalty": ((int, float), -2, 2, False),
     "repetition_penalty": ((int, float), 0, 10, True), "seed": ((int,), -2**63, 2**64 - 1, False),
+    "min_tokens": ((int,), 0, math.inf, False),
 }
 
 

@@ -388,6 +388,55 @@ def test_seeded_sampling_is_reproducible_across_batches_and_tp(dense, shared):
         _idle(eng)
 
 
+def _min_tokens_reference(ref: Reference, prompt: list[int], stop: int, min_tokens: int, n: int) -> list[int]:
+    """Greedy ids with `stop` out of the first min_tokens picks, ending at the first `stop` after them
+    (raises _NearTie where the masked top two are within MARGIN)."""
+    def pick(logits, pos):
+        row = logits.clone()
+        if pos - len(prompt) < min_tokens:
+            row[stop] = float("-inf")
+        top = torch.topk(row, 2).values
+        if float(top[0] - top[1]) < MARGIN:
+            raise _NearTie
+        return int(torch.argmax(row))
+    ids = ref._run(prompt, n, pick)
+    return ids[:ids.index(stop) + 1] if stop in ids[min_tokens:] else ids
+
+
+def test_min_tokens_keeps_the_stop_ids_out_until_that_many_tokens(dense, shared):
+    """SamplingParams.min_tokens: a greedy request whose stop id is its own third token ends there
+    without min_tokens; with min_tokens 7 the stop id is masked out of its first seven tokens (the
+    float32 reference's greedy path with that id at -inf there) and may end it after them; at tp 1 and
+    2, beside a plain request, with MTP speculation (the masked sequence stays out of its rounds until
+    the count is reached)."""
+    rng = random.Random(_seed("min-tokens"))
+    ref = dense.ref
+    for _ in range(50):
+        (prompt, ids), = ref.clear_prompts(rng, [rng.randint(5, 60)], 3)
+        stop = ids[2]
+        try:
+            want = _min_tokens_reference(ref, prompt, stop, 7, 16)
+        except _NearTie:
+            continue
+        if stop not in ids[:2]:
+            break
+    else:                                                                # pragma: no cover
+        pytest.fail("no prompt with a clear masked path in 50 draws")
+    plain = greedy(16, stop_token_ids=(stop,))
+    held = dataclasses.replace(plain, min_tokens=7)
+    spec = Engine.start(dense.dir, tp=1, options=dataclasses.replace(OPTS, spec_draft_tokens=2))
+    try:
+        for name, eng in (("tp 1", shared(1)), ("tp 2", shared(2)), ("mtp", spec)):
+            a, b = eng.submit(prompt, plain), eng.submit(prompt, held)
+            ra, rb = a.result(timeout=TIMEOUT), b.result(timeout=TIMEOUT)
+            assert ra.error is None and ra.tokens == ids[:3] and ra.finish_reason == "stop", (name, ra)
+            assert rb.error is None and rb.tokens == want, (name, rb.tokens, want)
+            assert stop not in rb.tokens[:7] and len(rb.tokens) >= 7
+            _idle(eng)
+    finally:
+        spec.shutdown()
+
+
 def _bias_cases(ref: Reference, rng: random.Random, eos: set[int]) -> list[tuple[list[int], SamplingParams, list[int]]]:
     """(prompt, params with a logit_bias, reference ids): +100 on an id that is neither the unbiased
     first token nor an EOS id (greedy: generated first, and throughout); -100 on the unbiased first

@@ -578,6 +578,36 @@ def test_a_call_cut_off_by_max_tokens_finishes_with_length(fake):
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
+def test_min_tokens_reaches_the_engine_and_holds_back_stop_strings(fake):
+    """min_tokens (chat and completions): reaches SamplingParams (clamped to what the context leaves),
+    the text of the first min_tokens tokens is not searched for stop strings, and more than max_tokens
+    is a 400 naming it."""
+    text = "one STOP two STOP three"
+    ids = fake.tok.encode(text)
+    first = len(fake.tok.encode("one STOP"))            # the tokens through the first stop string
+    fake.engine.script(text, text)
+    ns, s, r, _ = both(fake.client, messages=USER, stop=["STOP"], extra_body={"min_tokens": first,
+                                                                              "reasoning_effort": "none"})
+    same(ns, s)
+    assert fake.engine.submitted[-1].params.min_tokens == first
+    assert r.choices[0].message.content == "one STOP two" and r.choices[0].finish_reason == "stop"
+    fake.engine.script(text)
+    c = fake.client.completions.create(model="tiny", prompt="x", max_tokens=len(ids), stop=["STOP"],
+                                       extra_body={"min_tokens": first})
+    assert c.choices[0].text == "one STOP two " and fake.engine.submitted[-1].params.min_tokens == first
+    fake.engine.script(text)
+    c = fake.client.completions.create(model="tiny", prompt="x", max_tokens=len(ids), stop=["STOP"])
+    assert c.choices[0].text == "one " and fake.engine.submitted[-1].params.min_tokens == 0
+    for call in (lambda: fake.client.chat.completions.create(model="tiny", messages=USER, max_tokens=3,
+                                                             extra_body={"min_tokens": 4}),
+                 lambda: fake.client.completions.create(model="tiny", prompt="x", extra_body={"min_tokens": 17}),
+                 lambda: fake.client.chat.completions.create(model="tiny", messages=USER,
+                                                             extra_body={"min_tokens": -1})):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == "min_tokens", e.value.body
+
+
 def test_special_tokens_are_left_out_of_the_text_unless_asked_for(fake):
     """skip_special_tokens (default true, as vLLM): with ignore_eos the model runs past <|im_end|> and
     <|endoftext|>; chat content and completion text leave them out, streamed or not, and keep them

@@ -409,3 +409,44 @@ def test_constrained_outputs_on_the_gpu(tok, opts):
     for (name, _, params, ok), r in zip(reqs, results):
         assert r.error is None, (name, r.error)
         _check(tok, llg_tok, set(spec.eos_token_ids), params, r.tokens, r.finish_reason, ok)
+
+
+def test_min_tokens_masks_out_the_stop_ids_and_keeps_the_grammars_mask(seed):
+    """MinTokens: until n tokens are taken its mask allows every id but the stop ids; over a grammar's
+    mask it allows what both allow, and where the grammar allows only a stop id the grammar's mask
+    stands; tokens reach the grammar; after n tokens the mask is the grammar's (None without one)."""
+    from runtime.grammar import MinTokens
+    rng = np.random.default_rng(_seed(f"min-tokens-{seed}"))
+    V = int(rng.integers(40, 300))
+    stops = frozenset(int(t) for t in rng.choice(V, 3, replace=False))
+
+    def bits(m):
+        return np.unpackbits(np.frombuffer(m, dtype=np.uint8), bitorder="little")[:V].astype(bool)
+
+    class Grammar:
+        def __init__(self, allow):
+            self.allow, self.taken, self.error, self.complete = allow, [], None, False
+
+        def mask(self):
+            return np.packbits(self.allow, bitorder="little").tobytes()
+
+        def advance(self, tokens):
+            self.taken += tokens
+
+    alone = MinTokens(2, stops, V)
+    for _ in range(2):
+        assert bits(alone.mask()).tolist() == [t not in stops for t in range(V)]
+        alone.advance([int(rng.integers(V))])
+    assert alone.mask() is None and alone.left == 0
+    allow = rng.random(V) < 0.5
+    allow[sorted(stops)[0]] = True
+    g = Grammar(allow)
+    both = MinTokens(3, stops, V, g)
+    assert bits(both.mask()).tolist() == [bool(allow[t]) and t not in stops for t in range(V)]
+    both.advance([7, 8])
+    assert g.taken == [7, 8] and both.left == 1
+    g.allow = np.zeros(V, dtype=bool)
+    g.allow[sorted(stops)[0]] = True                # the grammar can only end: its mask stands
+    assert bits(both.mask()).tolist() == g.allow.tolist()
+    both.advance([9])
+    assert bits(both.mask()).tolist() == g.allow.tolist() and both.inner is g
