@@ -311,6 +311,12 @@ def parse_request(body: Any, seal: ReasoningSeal, *, count_only: bool = False) -
         if max_tokens < 1:
             raise _bad("max_tokens", f"must be >= 1, got {max_tokens}")
     messages = _messages(body.get("messages"), seal)
+    last = messages[-1]
+    # a final assistant turn with text is a prefill: the reply continues it (as Anthropic's API does)
+    prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
+    if prefill and last["content"] != last["content"].rstrip():
+        raise _bad(f"messages.{len(body['messages']) - 1}.content",
+                   "final assistant content cannot end with trailing whitespace")
     system = _system(body.get("system"))
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
@@ -332,7 +338,8 @@ def parse_request(body: Any, seal: ReasoningSeal, *, count_only: bool = False) -
                         top_k=top_k)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel,
                        thinking=thinking, thinking_budget=budget, max_tokens=max_tokens, stop=list(stop),
-                       sampling=sampling, model=model, api="messages", tool_id_prefix="toolu_", grammar=grammar)
+                       sampling=sampling, model=model, api="messages", tool_id_prefix="toolu_", grammar=grammar,
+                       continue_final=prefill)
     chat.stream = bool(_get(body, "stream", (bool,), "")) and not count_only
     return MessagesRequest(chat=chat, model=model, stream=chat.stream, omit_thinking=omit, effort=effort)
 

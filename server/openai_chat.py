@@ -146,6 +146,13 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
             raise P.bad(f"invalid type for 'chat_template_kwargs.{key}': expected a boolean",
                         f"chat_template_kwargs.{key}")
     skip_special = f.boolean("skip_special_tokens")
+    continue_final = bool(f.boolean("continue_final_message"))      # vLLM's: continue the last (assistant) turn
+    if continue_final:
+        last = messages[-1]
+        if not (isinstance(last, dict) and last.get("role") == "assistant" and last.get("content")
+                and not last.get("tool_calls")):
+            raise P.bad("continue_final_message needs the last message to be an assistant message with text "
+                        "content", "continue_final_message")
     include_reasoning = f.boolean("include_reasoning")
     req = ChatRequest(
         messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel is not False,
@@ -153,6 +160,7 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
         chat_template_kwargs={k: v for k, v in kwargs.items() if v is not None},
         max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling,
         model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), skip_special_tokens=skip_special is not False,
+        continue_final=continue_final,
         stream=stream, grammar=grammar)
     return req, Options(stream, include_usage, include_reasoning is not False, n)
 

@@ -154,10 +154,21 @@ class ChatTemplate:
         self.special = dict(special or {})
         self.xml_tool_calls = "<function=" in source
 
-    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any],
+               continue_final: bool = False) -> str:
+        """The prompt: the messages and a new assistant turn's opening; continue_final: the last message is
+        an assistant turn to continue (a prefill), so the prompt ends right after its text."""
         ctx = {**self.special, **{k: v for k, v in kwargs.items()
                                   if k not in ("messages", "tools", "add_generation_prompt")}}
         try:
+            if continue_final:
+                final = messages[-1]["content"]
+                text = self.template.render(messages=messages, tools=tools, add_generation_prompt=False, **ctx)
+                at = text.rfind(final) if final else -1
+                if at < 0:
+                    raise _bad("the chat template did not render the final assistant message's text, so it "
+                               "cannot be continued", "messages")
+                return text[:at + len(final)]
             return self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **ctx)
         except _TemplateRaise as e:
             raise _bad(f"the chat template refused the messages: {e}", "messages") from None

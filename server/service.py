@@ -95,6 +95,9 @@ class ChatRequest:
     model: str | None = None
     api: str = "chat"                       # for logs and metrics: chat | responses | messages | zmq
     tool_id_prefix: str = "call_"
+    # the last message is an assistant turn whose text the model continues (Anthropic's prefill; chat's
+    # continue_final_message): the prompt ends after that text, and the output is only what follows
+    continue_final: bool = False
     ignore_eos: bool = False
     # special tokens (<|im_end|>, <|endoftext|>: the tokenizer's special added tokens) left out of the text;
     # the reasoning / tool-call tags are not special and always decode
@@ -450,9 +453,9 @@ class Service:
             preserve = request.preserve_thinking if request.preserve_thinking is not None else self.preserve_thinking
             if preserve is not None:
                 kwargs["preserve_thinking"] = bool(preserve)
-        text = self.template.render(messages, request.tools or None, kwargs)
+        text = self.template.render(messages, request.tools or None, kwargs, continue_final=request.continue_final)
         start = start_from_prompt(text)
-        forced = self._forced_call(request, start)
+        forced = "" if request.continue_final else self._forced_call(request, start)
         return text + forced, start, forced
 
     def _forced_call(self, request: ChatRequest, start: str) -> str:

@@ -578,6 +578,45 @@ def test_a_call_cut_off_by_max_tokens_finishes_with_length(fake):
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
+def test_a_final_assistant_turn_is_continued_as_transformers_renders_it(fake):
+    """Anthropic's prefill (a final assistant message with text) and chat's continue_final_message:
+    the prompt is transformers' apply_chat_template(continue_final_message=True) rendering (it ends
+    right after the prefill's text, reasoning closed before it), the output is only the continuation,
+    in content; a prefill ending in whitespace (Anthropic) or a continue_final_message without a final
+    assistant text (chat) is a 400 naming the field."""
+    import os
+
+    import httpx
+    import transformers
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(tiny_model_dir(), "tokenizer.json"))
+    hf.chat_template = qwen_template()
+    prefill = 'Here is the JSON: {"city": "'
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris as JSON?"},
+            {"role": "assistant", "content": prefill}]
+    for thinking in (True, False):
+        want = hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True, enable_thinking=thinking)
+        assert want.endswith(prefill)
+        fake.engine.script('Paris"}')
+        r = httpx.post(fake.url + "/v1/messages", json={
+            "model": "tiny", "max_tokens": 20, "system": "Be brief.", "messages": msgs[1:],
+            "thinking": {"type": "enabled", "budget_tokens": 10} if thinking else {"type": "disabled"}}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert fake.engine.prompt_text() == want, thinking
+        assert [b["type"] for b in r.json()["content"]] == ["text"] and r.json()["content"][0]["text"] == 'Paris"}'
+        fake.engine.script('Paris"}')
+        c = fake.client.chat.completions.create(model="tiny", messages=msgs, extra_body={
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": thinking}})
+        assert fake.engine.prompt_text() == want and c.choices[0].message.content == 'Paris"}', thinking
+    r = httpx.post(fake.url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure "}]}, timeout=30)
+    assert r.status_code == 400 and "messages.1.content" in r.text, r.text
+    for last in ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}):
+        with pytest.raises(openai.BadRequestError) as e:
+            fake.client.chat.completions.create(model="tiny", messages=[USER[0], last],
+                                                extra_body={"continue_final_message": True})
+        assert e.value.body["param"] == "continue_final_message", e.value.body
+
+
 def test_min_tokens_reaches_the_engine_and_holds_back_stop_strings(fake):
     """min_tokens (chat and completions): reaches SamplingParams (clamped to what the context leaves),
     the text of the first min_tokens tokens is not searched for stop strings, and more than max_tokens
