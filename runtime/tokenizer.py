@@ -205,6 +205,21 @@ def generation_defaults(model_dir: str | os.PathLike) -> dict[str, Any]:
         out[key] = value
     if gen.get("do_sample") is False:
         out["temperature"] = 0.0
+    # the values every request without its own would sample with: checked here, so a bad file stops the
+    # server at start naming it instead of failing those requests (top_k <= 0 is "off", as vLLM's -1)
+    from runtime.sampling import SamplingParams
+    probe = dict(out)
+    if "top_k" in probe:
+        k = probe["top_k"]
+        if k != int(k):
+            raise TokenizerError(f"{path}: field 'top_k' must be an integer, got {k!r}")
+        probe["top_k"] = max(0, int(k))
+    if "max_new_tokens" in probe and probe["max_new_tokens"] == int(probe["max_new_tokens"]):
+        probe["max_new_tokens"] = int(probe["max_new_tokens"])
+    try:
+        SamplingParams(**probe)
+    except ValueError as e:
+        raise TokenizerError(f"{path}: field {e}") from None
     eos = gen.get("eos_token_id")
     ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

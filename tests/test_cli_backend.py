@@ -109,6 +109,7 @@ def _copy_model(tmp_path):
     ("{not json", ["generation_config.json"]),
     ("[1, 2]", ["generation_config.json", "JSON object"]),
     ('{"temperature": -0.5}', ["generation_config.json", "temperature must be >= 0"]),
+    ('{"top_p": 0.0}', ["generation_config.json", "top_p must be in (0, 1]"]),        # was read as 1.0 (off)
 ])
 def test_generate_refuses_a_bad_generation_config_naming_the_file(tmp_path, capsys, content, names):
     """A checkpoint's generation_config.json that cannot be used is refused with exit 2 and a message

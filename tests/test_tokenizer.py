@@ -209,3 +209,13 @@ def test_generation_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(TokenizerError, match="generation_config.json"):
         generation_defaults(tmp_path)
+    # values no request could sample with are refused at load, naming the field (SamplingParams' ranges);
+    # top_k <= 0 is "off" and an integral float is an integer
+    for bad, field in (({"top_p": 0.0}, "top_p"), ({"top_k": 1.5}, "top_k"), ({"temperature": -0.5}, "temperature"),
+                       ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+                       ({"presence_penalty": 3}, "presence_penalty"), ({"max_new_tokens": 0}, "max_new_tokens")):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(TokenizerError, match=f"generation_config.json: field '?{field}"):
+            generation_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": -1, "top_p": 1.0, "temperature": 1e-3}))
+    assert generation_defaults(tmp_path) == {"top_k": -1, "top_p": 1.0, "temperature": 1e-3, "eos_token_ids": []}
