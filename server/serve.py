@@ -3,7 +3,8 @@
 Order: read the tokenizer, config and chat template (a bad model directory exits 2 before anything
 listens), bind the socket (a busy port exits 2), start uvicorn; the engine loads in the background
 while /health answers 503. SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
---shutdown-timeout-s (then cancel them), shut the engine and its ranks down, exit 0. An engine
+--shutdown-timeout-s (then cancel them; a second signal cancels them at once), shut the engine and
+its ranks down, exit 0. An engine
 failure: in-flight requests get their errors, the server stops, exit 1 (systemd restarts it).
 """
 
@@ -233,6 +234,16 @@ class _Server(uvicorn.Server):
         self._cut: threading.Timer | None = None
 
     def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and self._cut is not None:
+            # a second SIGTERM / SIGINT: do not wait out the timeout. The requests still running end now
+            # with their in-band 503 and uvicorn's graceful wait closes their connections (not
+            # uvicorn's forced exit on a second SIGINT, which would cut them)
+            if not self._cut.finished.is_set():
+                self._cut.cancel()
+                self._cut = threading.Timer(0, self._cancel_in_flight)
+                self._cut.daemon = True
+                self._cut.start()
+            return
         self.service.begin_drain()
         if self._cut is None and self.config.timeout_graceful_shutdown is not None:
             t = self.config.timeout_graceful_shutdown

@@ -611,6 +611,34 @@ def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_not_a_cut
         p.close()
 
 
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_second_signal_ends_the_requests_still_running_at_once(tmp_path, second):
+    """SIGTERM with --shutdown-timeout-s 60 and a stream that would run far longer, then a second signal:
+    the stream ends at once with its in-band "shutting down" error (not a cut connection, not after the
+    timeout); exit 0, no rank left."""
+    p = ServeProcess(tiny_model_dir(), "--max-context", "4096", "--shutdown-timeout-s", "60")
+    try:
+        p.wait_healthy()
+        ranks = _rank_pids(p.proc.pid)
+        long = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", p.url + "/v1/chat/completions", json=long, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            p.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert p.proc.poll() is None                  # draining: the stream still runs
+            t0 = time.monotonic()
+            p.proc.send_signal(second)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert time.monotonic() - t0 < 10
+        err = json.loads(rest[-1][6:])["error"]
+        assert "shutting down" in err["message"], err
+        assert p.proc.wait(30) == 0, "".join(p.lines)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        p.close()
+
+
 def test_zmq_requests_in_flight_may_finish_after_sigterm_with_no_http_connection_open(tmp_path):
     """SIGTERM while only a ZeroMQ request runs (no HTTP connection, so uvicorn's graceful wait is
     over at once): the request still gets --shutdown-timeout-s to finish, as HTTP ones do; exit 0."""
