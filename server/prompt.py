@@ -100,7 +100,7 @@ def normalize_messages(messages: Any, param: str = "messages") -> list[dict[str,
         role = m.get("role")
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if not isinstance(role, str) or role not in ROLES:
-            raise _bad(f"'{p}.role' must be one of system, developer, user, assistant, tool; got {role!r}",
+            raise _bad(f"'{p}.role' must be one of system, developer, user, assistant, tool, function; got {role!r}",
                        f"{p}.role")
         text = content_text(m.get("content"), f"{p}.content")
         if role == "system":
