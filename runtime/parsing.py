@@ -324,7 +324,8 @@ class OutputParser:
         rest = buf[k:]
         # the end of generation inside a call's opening: in content the opening is dropped (content
         # never holds <tool_call>, and no call was made); reasoning keeps it as text
-        cut = LITERAL if in_reasoning else ("drop", len(buf), "a tool call's opening cut off at end of generation: dropped")
+        cut = LITERAL if in_reasoning else ("drop", len(buf),
+                                            "a tool call's opening cut off at end of generation: dropped")
         if not rest:
             return WAIT if not final else cut
         if rest.startswith(FUNC):

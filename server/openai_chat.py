@@ -159,8 +159,8 @@ def parse(body: dict[str, Any], service: Service) -> tuple[ChatRequest, Options]
         thinking=thinking, preserve_thinking=f.boolean("preserve_thinking"), thinking_budget=budget,
         chat_template_kwargs={k: v for k, v in kwargs.items() if v is not None},
         max_tokens=mct if mct is not None else max_tokens, stop=f.stop("stop"), sampling=sampling,
-        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")), skip_special_tokens=skip_special is not False,
-        continue_final=continue_final,
+        model=model, api="chat", ignore_eos=bool(f.boolean("ignore_eos")),
+        skip_special_tokens=skip_special is not False, continue_final=continue_final,
         stream=stream, grammar=grammar)
     return req, Options(stream, include_usage, include_reasoning is not False, n)
 
