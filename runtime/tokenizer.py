@@ -1,8 +1,8 @@
 """The model directory's tokenizer: encode, decode, streaming (incremental) decode, stop ids.
 
 Wraps a `tokenizers.Tokenizer` read from ``tokenizer.json``. ``tokenizer_config.json`` (optional)
-gives the eos / pad tokens and the chat template; ``generation_config.json`` (optional) gives more
-eos ids. Qwen3.5/3.6 tokenizers are byte-level BPE: one token may hold part of a UTF-8 character,
+gives the eos / pad tokens and the chat template (``chat_template.jinja``, when present, wins over it, as
+in transformers); ``generation_config.json`` (optional) gives more eos ids. Qwen3.5/3.6 tokenizers are byte-level BPE: one token may hold part of a UTF-8 character,
 so streaming decode goes through bytes and holds back incomplete characters (IncrementalDecoder).
 Any file that is present but unreadable is refused with a TokenizerError naming it.
 """
@@ -103,11 +103,10 @@ class Tokenizer:
         if isinstance(template, list):        # [{"name": "default", "template": "..."}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        if template is None:
-            jinja = os.path.join(d, "chat_template.jinja")
-            if os.path.isfile(jinja):
-                with open(jinja, encoding="utf-8") as f:
-                    template = f.read()
+        jinja = os.path.join(d, "chat_template.jinja")
+        if os.path.isfile(jinja):             # the file wins over the config's entry, as in transformers
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
 
         gen_path = os.path.join(d, GENERATION_CONFIG_FILE)
         gen = _read_json(gen_path, required=False) or {}

@@ -175,6 +175,18 @@ def test_missing_and_invalid_files_are_named(tmp_path, model_dir):
     assert t.eos_token_ids == {5, t.token_to_id("<|im_end|>")}
 
 
+def test_chat_template_file_wins_over_tokenizer_config(tmp_path, model_dir):
+    """chat_template.jinja takes priority over tokenizer_config.json's chat_template, as in transformers
+    (a checkpoint saved by recent transformers may carry both)."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "from the config"}))
+    assert Tokenizer.from_dir(d).chat_template == "from the config"
+    (d / "chat_template.jinja").write_text("from the file")
+    assert Tokenizer.from_dir(d).chat_template == "from the file"
+
+
 def test_build_is_deterministic_across_processes(tok):
     """Same Python version -> same tokenizer, whatever the hash seed (BPE ties broken deterministically)."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from ranks.random_checkpoint import build_tokenizer;"
