@@ -105,8 +105,11 @@ class Tokenizer:
             template = named.get("default")
         jinja = os.path.join(d, "chat_template.jinja")
         if os.path.isfile(jinja):             # the file wins over the config's entry, as in transformers
-            with open(jinja, encoding="utf-8") as f:
-                template = f.read()
+            try:
+                with open(jinja, encoding="utf-8") as f:
+                    template = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja}: cannot read chat_template.jinja: {e}") from e
 
         gen_path = os.path.join(d, GENERATION_CONFIG_FILE)
         gen = _read_json(gen_path, required=False) or {}

@@ -185,6 +185,9 @@ def test_chat_template_file_wins_over_tokenizer_config(tmp_path, model_dir):
     assert Tokenizer.from_dir(d).chat_template == "from the config"
     (d / "chat_template.jinja").write_text("from the file")
     assert Tokenizer.from_dir(d).chat_template == "from the file"
+    (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")       # not UTF-8: named, not a traceback
+    with pytest.raises(TokenizerError, match=r"chat_template\.jinja"):
+        Tokenizer.from_dir(d)
 
 
 def test_build_is_deterministic_across_processes(tok):
