@@ -38,16 +38,20 @@ REDACTED = "<redacted>"
 
 
 def redact_argv(argv: list[str], secret_flags: tuple[str, ...] = ("--api-key",)) -> list[str]:
-    """argv with the values of secret flags replaced (both `--flag VALUE` and `--flag=VALUE`)."""
+    """argv with the values of secret flags replaced (both `--flag VALUE` and `--flag=VALUE`, and the
+    abbreviations argparse accepts for them, `--api VALUE`)."""
+    def secret(option: str) -> bool:
+        return len(option) > 2 and option.startswith("--") and any(f.startswith(option) for f in secret_flags)
+
     out, hide_next = [], False
     for a in argv:
         if hide_next:
             out.append(REDACTED)
             hide_next = False
-        elif a in secret_flags:
+        elif secret(a):
             out.append(a)
             hide_next = True
-        elif any(a.startswith(f + "=") for f in secret_flags):
+        elif "=" in a and secret(a.split("=", 1)[0]):
             out.append(a.split("=", 1)[0] + "=" + REDACTED)
         else:
             out.append(a)

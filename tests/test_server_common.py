@@ -387,6 +387,17 @@ def test_request_log_redacts_the_api_key():
         ["serve", "--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
 
 
+def test_request_log_redacts_an_abbreviated_api_key_flag():
+    """argparse takes any unambiguous prefix of --api-key (--api, --api-k=...): those values are the key too."""
+    from server.cli import build_parser
+    from server.request_log import redact_argv
+
+    argv = ["serve", "--api", "s3cret", "--api-k=s3cret", "--port", "1"]
+    assert build_parser().parse_args(argv).api_key == "s3cret"
+    assert redact_argv(argv) == ["serve", "--api", "<redacted>", "--api-k=<redacted>", "--port", "1"]
+    assert redact_argv(["serve", "--", "x", "--port", "2"]) == ["serve", "--", "x", "--port", "2"]
+
+
 # --------------------------------------------------------------------------------------------------
 # Health: loading, draining, engine failure
 
