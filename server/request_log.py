@@ -139,7 +139,11 @@ class RequestLog:
             self._stats_thread = None
         self.event("server_stop", reason=reason)
         with self._lock:
-            self._file.close()
+            try:
+                self._file.close()          # flushes what a failed write left in the buffer: may fail again
+            except OSError as e:
+                if not self._warned:
+                    log.warning("request log %s: cannot write: %s", self.path, e)
 
 
 class _Nvml:

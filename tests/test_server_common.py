@@ -387,6 +387,15 @@ def test_request_log_redacts_the_api_key():
         ["serve", "--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_request_log_on_a_full_disk_never_raises():
+    """A full disk must not fail requests, nor turn a clean stop into a traceback and exit 1."""
+    from server.request_log import RequestLog
+
+    rl = RequestLog("/dev/full")
+    rl.event("request_start", request_id="r")
+    rl.close("signal")
+
 def test_request_log_redacts_an_abbreviated_api_key_flag():
     """argparse takes any unambiguous prefix of --api-key (--api, --api-k=...): those values are the key too."""
     from server.cli import build_parser
