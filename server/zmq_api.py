@@ -386,7 +386,7 @@ class ZmqServer:
             if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)):
                 rid = None
                 raise _bad("id", "id is required: a string or an integer chosen by the client")
-            if msg.get("v") != PROTOCOL_VERSION:
+            if type(msg.get("v")) is not int or msg["v"] != PROTOCOL_VERSION:     # not true, not 1.0
                 raise _bad("v", f"protocol version {msg.get('v')!r} is not supported; this server speaks "
                                 f"v={PROTOCOL_VERSION}")
             if self.api_key is not None:

@@ -316,6 +316,8 @@ def test_client_disconnect_closes_the_generator(server, service):
     (msgpack.packb({"v": 1, "type": "health"}), 400, "invalid_request", "id"),
     (pack(type="health", id=[1]), 400, "invalid_request", "id"),
     (msgpack.packb({"v": 99, "type": "health", "id": 1}), 400, "invalid_request", "v"),
+    *[(msgpack.packb({"v": v, "type": "health", "id": 1}), 400, "invalid_request", "v")
+      for v in (True, 1.0, "1")],                             # the version is the integer 1, nothing equal to it
     (pack(type="teleport", id=1), 404, "not_found", "type"),
     (pack(type="chat", id=1), 400, "invalid_request", "messages"),
     (pack(type="chat", id=1, messages=[{"content": "no role"}]), 400, "invalid_request", "messages.0"),
