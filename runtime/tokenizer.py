@@ -1,9 +1,10 @@
 """The model directory's tokenizer: encode, decode, streaming (incremental) decode, stop ids.
 
 Wraps a `tokenizers.Tokenizer` read from ``tokenizer.json``. ``tokenizer_config.json`` (optional)
-gives the eos / pad tokens and the chat template (``chat_template.jinja``, when present, wins over it, as
-in transformers); ``generation_config.json`` (optional) gives more eos ids. Qwen3.5/3.6 tokenizers are byte-level BPE: one token may hold part of a UTF-8 character,
-so streaming decode goes through bytes and holds back incomplete characters (IncrementalDecoder).
+gives the eos / pad tokens and the chat template (``chat_template.jinja``, when present, wins over it,
+as in transformers); ``generation_config.json`` (optional) gives more eos ids. Qwen3.5/3.6 tokenizers
+are byte-level BPE: one token may hold part of a UTF-8 character, so streaming decode goes through
+bytes and holds back incomplete characters (IncrementalDecoder).
 Any file that is present but unreadable is refused with a TokenizerError naming it.
 """
 
