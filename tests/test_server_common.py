@@ -7,6 +7,7 @@ a random tiny checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -631,6 +632,18 @@ def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_not_a_cut
         p.close()
 
 
+@contextlib.contextmanager
+def _stream_then_sigterm(p):
+    """A stream of thousands of tokens on the serve process p, then SIGTERM: yields the stream's line
+    iterator (its first line read) while the server drains."""
+    body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        p.proc.send_signal(signal.SIGTERM)
+        yield lines
+
+
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_a_second_signal_ends_the_requests_still_running_at_once(tmp_path, second):
     """SIGTERM with --shutdown-timeout-s 60 and a stream that would run far longer, then a second signal:
@@ -640,11 +653,7 @@ def test_a_second_signal_ends_the_requests_still_running_at_once(tmp_path, secon
     try:
         p.wait_healthy()
         ranks = _rank_pids(p.proc.pid)
-        long = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", p.url + "/v1/chat/completions", json=long, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            p.proc.send_signal(signal.SIGTERM)
+        with _stream_then_sigterm(p) as lines:
             time.sleep(1.0)
             assert p.proc.poll() is None                  # draining: the stream still runs
             t0 = time.monotonic()
@@ -699,11 +708,7 @@ def test_a_rank_that_dies_while_requests_drain_still_exits_1(tmp_path):
     try:
         p.wait_healthy()
         ranks = _rank_pids(p.proc.pid)
-        body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            p.proc.send_signal(signal.SIGTERM)
+        with _stream_then_sigterm(p) as lines:
             time.sleep(0.5)
             os.kill(ranks[0], signal.SIGKILL)
             rest = [ln for ln in lines if ln.startswith("data: ")]
