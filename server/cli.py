@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: generation_config.json, else 1.0)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 or -1 = off)")
     g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -315,7 +315,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             temperature=temperature,
             # top_k <= 0 in generation_config.json means off (as `serve` reads it); -1 is vLLM's "off"
-            top_k=args.top_k if args.top_k is not None else max(0, int(defaults.get("top_k", 0) or 0)),
+            # -1 from the flag too, as HTTP and ZeroMQ take it; below -1 is refused
+            top_k=(0 if args.top_k == -1 else args.top_k) if args.top_k is not None
+            else max(0, int(defaults.get("top_k", 0) or 0)),
             top_p=args.top_p if args.top_p is not None else float(defaults.get("top_p", 1.0) or 1.0),
             min_p=args.min_p if args.min_p is not None else 0.0,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,

@@ -129,6 +129,20 @@ def test_generate_reads_a_negative_top_k_in_generation_config_as_off(tmp_path, c
     assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--print-token-ids"]) == 0
 
 
+def test_generate_takes_top_k_minus_one_as_off_like_the_apis(tmp_path, capsys):
+    """--top-k -1 is "off" as HTTP's and ZeroMQ's top_k -1 (vLLM's): the same tokens as --top-k 0 with a
+    seed; -2 is refused naming the flag."""
+    d = _copy_model(tmp_path)
+    runs = []
+    for k in ("-1", "0"):
+        assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--seed", "5",
+                     "--temperature", "1.0", "--top-k", k, "--print-token-ids"]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0].strip()
+    assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--top-k", "-2"]) == 2
+    assert "--top-k" in capsys.readouterr().err
+
+
 def test_generate_at_tp2_refuses_a_bad_checkpoint_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     """A checkpoint missing a tensor is refused at tp 2 as at tp 1 (exit 2, the tensor named), from the
     safetensors headers, before rank processes are spawned."""
