@@ -145,6 +145,16 @@ def default_dtype(args) -> str:
     return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
 
+def model_dir_problem(model_dir: str) -> str | None:
+    """Why MODEL_DIR cannot be a model directory at all (None when it is a directory): said before the
+    files inside it are looked for."""
+    if not os.path.exists(model_dir):
+        return f"{model_dir}: no such model directory"
+    if not os.path.isdir(model_dir):
+        return f"{model_dir}: not a directory (the model directory holds config.json, the tokenizer and the weights)"
+    return None
+
+
 def backend_conflict(args) -> str | None:
     """Why the backend flags cannot work together (a message naming the flags), or None."""
     dtype = default_dtype(args)
@@ -285,7 +295,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model_dir = args.model_dir or default_model_dir()
     args.dtype = default_dtype(args)
-    problem = backend_conflict(args)
+    problem = backend_conflict(args) or model_dir_problem(model_dir)
     if problem:
         print(f"tandem generate: {problem}", file=sys.stderr)
         return 2

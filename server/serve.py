@@ -48,10 +48,10 @@ def serve(args, argv: list[str]) -> int:
     from server.request_log import RequestLog, config_record
     from server.service import QWEN_MODE_SAMPLING, Service
 
-    from server.cli import backend_conflict
+    from server.cli import backend_conflict, model_dir_problem
     model_dir = args.model_dir or default_model_dir()
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
-    problem = backend_conflict(args) or _device_problem(args.device)
+    problem = model_dir_problem(model_dir) or backend_conflict(args) or _device_problem(args.device)
     if problem:
         return _fail(problem)
     try:

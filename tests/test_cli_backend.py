@@ -273,3 +273,16 @@ def test_serve_snapshot_in_step_reaches_the_engine_options(flags, want, monkeypa
     argv = ["serve", "--device", "cpu", *flags]
     assert serve(build_parser().parse_args(argv), argv) == 2
     assert [o.snapshot_in_step for o in seen] == [want]
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_a_model_directory_that_is_not_one_is_named_first(tmp_path, capsys, cmd):
+    """A MODEL_DIR that does not exist, or is a file: exit 2 with one line saying so, before any file
+    inside it is looked for (not "no config.json" / "no tokenizer.json" in a directory that is not there)."""
+    a_file = tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"not a directory")
+    extra = ["--prompt", "hi"] if cmd == "generate" else ["--port", "0"]
+    for path, says in ((tmp_path / "missing", "no such model directory"), (a_file, "not a directory")):
+        assert main([cmd, str(path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tandem {cmd}: {path}: {says}") and "config.json in" not in err, err
