@@ -285,6 +285,8 @@ class Worker:
     def _split_saves(plan: msg.StepPlan) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
         """The plan's snapshot saves: those inside a sequence's columns as Batch.saves (b, u, snap),
         and those at the end of its columns as (slot, snap), made after the forward."""
+        if not plan.snapshot_saves:
+            return [], []
         slots, columns = plan.slots.tolist(), plan.columns.tolist()
         inside, after = [], []
         for slot, snap, u in plan.snapshot_saves:

@@ -32,6 +32,7 @@ import zmq
 
 from runtime.config import PAGE_SIZE, load_spec
 from runtime.engine import EngineError, Event, step_sizes
+from runtime.grammar import MinTokens
 from runtime.sampling import SamplingParams
 from runtime.scheduler import IN_STEP_SAVE_MIN_COLUMNS, Overloaded, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, Status
@@ -302,7 +303,6 @@ class Coordinator:
         if params.grammar is not None:
             seq.constraint = self._constraint(params, stops)
         if params.min_tokens > 0 and stops:
-            from runtime.grammar import MinTokens
             seq.constraint = MinTokens(params.min_tokens, stops, V, seq.constraint)
         need = self.scheduler.pages_for(seq)
         if need > self.config.kv_pages:
@@ -506,7 +506,7 @@ class Coordinator:
                         # the document is whole: end here rather than sample an end id (with
                         # ignore_eos one would not end it)
                         self.scheduler.finish(s, "stop")
-                    if getattr(s.constraint, "left", 1) <= 0:       # min_tokens reached: the grammar, or nothing
+                    if isinstance(s.constraint, MinTokens) and s.constraint.left <= 0:   # the grammar, or nothing
                         s.constraint = s.constraint.inner
         hook = self.options.spec_draft_hook
         if hook is not None and drafts is not None:                  # TEST-ONLY (EngineOptions)

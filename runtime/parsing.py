@@ -348,9 +348,9 @@ class OutputParser:
             if q < 0 and not final:
                 return WAIT
             body, end = (buf[k:], len(buf)) if q < 0 else (buf[k:q], q + len(END_CALL))
-            name, args, why = self._hermes(body)
-            if why and q < 0 and "does not parse" in why:
+            if q < 0 and not _parses(body):
                 return cut                                # a JSON body the end of generation cut short
+            name, args, why = self._hermes(body)
             return ("literal", why) if why else ("hermes", end, name, args)
         return ("literal", "<tool_call> not followed by <function=...> or a JSON object")
 
@@ -639,6 +639,14 @@ def _index_tools(tools: list[dict]) -> dict[str, dict]:
         schema = fn.get("parameters", fn.get("input_schema"))
         out[fn["name"]] = schema if isinstance(schema, dict) else {}
     return out
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _name_ok(name: str) -> bool:
