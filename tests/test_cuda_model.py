@@ -108,8 +108,9 @@ def _reference_logits(ref, seqs, routes=None, forced=None):
 
 
 def _forced_references(ref, ref16, seqs, routing, name):
-    """(float32, bfloat16) reference logits of every sequence; with a RouteRecorder (MoE), both run
-    on the experts the CUDA model chose, and its choices are checked against the float32 router."""
+    """(float32, bfloat16, perturbed) references of every sequence: the logits of the first two, and a
+    PerturbedReferences on the float32 one; with a RouteRecorder (MoE), all run on the experts the
+    CUDA model chose, and its choices are checked against the float32 router."""
     forced = routing.ids if routing else None
     routes, routes16 = [], []
     want = _reference_logits(ref, seqs, routes, forced)
@@ -117,7 +118,36 @@ def _forced_references(ref, ref16, seqs, routing, name):
     if routing:
         routing.check(routes, routes16)
         print(f"{name}: routed unlike the float32 reference at a near-tie: {routing.flips or 'nowhere'}")
-    return want, want16
+    return want, want16, PerturbedReferences(ref, seqs, forced)
+
+
+class PerturbedReferences:
+    """How well conditioned a position is: the float32 reference's logits on its own weights with
+    bfloat16-sized relative noise (each weight times 1 + 2^-8 N(0, 1)), `samples` draws, on the same
+    experts as the other references; built only when some position goes past Agreement's
+    per-position bound, and judged there (Agreement.add).
+
+    The bf16 reference's error at a position is one sample of how far bf16 rounding moves it. At most
+    positions that sample is typical, but a random hot model has ill-conditioned positions where
+    rounding-sized changes move the logits by ~1: test_teacher_forced[1-tiny-moe-folded] at base seed
+    1612353068, position 67 of its third sequence, CUDA 0.988 off the float32 reference where the bf16
+    reference was 0.056 off, and six noisy float32 references 0.21-1.27 off (0.02-0.12 at the positions
+    around it; a float64 reference 4e-5 off, so float32 itself is not the problem there)."""
+
+    def __init__(self, ref, seqs, forced, samples: int = 2):
+        self.ref, self.seqs, self.forced, self.samples, self._logits = ref, seqs, forced, samples, None
+
+    def error(self, b: int, at: int, want: torch.Tensor) -> float:
+        """The largest relative error of the noisy references' rows at..at+len(want) of sequence b."""
+        if self._logits is None:
+            self._logits = []
+            for s in range(self.samples):
+                g = torch.Generator().manual_seed(1000 + s + sum(self.seqs[0][:8]))
+                noisy = {k: v * (1 + 2.0 ** -8 * torch.randn(v.shape, generator=g).to(v.device, v.dtype))
+                         if v.is_floating_point() else v for k, v in self.ref.w.items()}
+                self._logits.append(_reference_logits(HybridModel(self.ref.spec, noisy), self.seqs, None, self.forced))
+                del noisy
+        return max(rel(logits[b][at:at + want.shape[0]], want) for logits in self._logits)
 
 
 class RouteRecorder:
@@ -241,14 +271,25 @@ class Agreement:
     def __init__(self, name, allowed: int = 0):
         self.name, self.got, self.want, self.want16 = name, [], [], []
         self.agree = self.total = 0
-        self.outliers, self.allowed = [], allowed
+        self.outliers, self.allowed, self.conditioned, self.chunks = [], allowed, [], 0
 
-    def add(self, got, want, want16, where):
+    def add(self, got, want, want16, where, noise=None):
+        """noise: a callable giving the perturbed references' error on these rows (PerturbedReferences),
+        asked only for a chunk past the per-position bound: within 6x that (plus 2%) the chunk is an
+        ill-conditioned one, reported and left out like an allowed chunk; at most 1 + 5% of the chunks."""
         got, want, want16 = got.float().cpu(), want.float().cpu(), want16.float().cpu()
         assert torch.isfinite(got).all(), f"{where}: non-finite logits"
+        self.chunks += 1
         e, e16 = rel(got, want), rel(want16, want)
         if e > 6 * e16 + 0.02:
-            self.outliers.append(f"{where}: relative error {e:.3g} (bf16 reference: {e16:.3g})")
+            en = noise(want) if noise is not None else 0.0
+            if e <= 6 * en + 0.02:
+                self.conditioned.append(f"{where}: relative error {e:.3g} (bf16 reference: {e16:.3g}, "
+                                        f"perturbed float32 references: up to {en:.3g})")
+                assert len(self.conditioned) <= 1 + 0.05 * self.chunks, "; ".join(self.conditioned)
+                return
+            self.outliers.append(f"{where}: relative error {e:.3g} (bf16 reference: {e16:.3g}"
+                                 + (f", perturbed float32 references: up to {en:.3g})" if noise else ")"))
             assert len(self.outliers) <= self.allowed, "; ".join(self.outliers)
             return                                          # allowed: excused from the rest
         top2 = want.topk(2, dim=-1).values
@@ -265,7 +306,8 @@ class Agreement:
         got, want, want16 = (torch.cat(t) for t in (self.got, self.want, self.want16))
         e, e16 = rel(got, want), rel(want16, want)
         print(f"{self.name}: relative error {e:.3g} over {got.shape[0]} positions (bf16 reference {e16:.3g}); "
-              f"argmax {self.agree}/{self.total} at clear margins; outliers: {self.outliers or 'none'}")
+              f"argmax {self.agree}/{self.total} at clear margins; outliers: {self.outliers or 'none'}; "
+              f"ill-conditioned: {self.conditioned or 'none'}")
         assert e <= 2 * e16 + 0.01, f"{self.name}: relative error {e:.3g} (bf16 reference: {e16:.3g})"
         misses = self.total - self.agree
         assert misses <= 1 + self.allowed + 0.01 * self.total, \
@@ -315,19 +357,21 @@ def test_teacher_forced_logits_match_the_float32_reference(name, columns, seed, 
             rows = out.logits[i * columns:(i + 1) * columns] if columns > 1 else out.logits[i:i + 1]
             outs.append((False, b, pos[b], rows.float().cpu(), f"{name} seq {b} at {pos[b]}"))
             pos[b] += columns
-    want, want16 = _forced_references(ref, ref16, seqs, routing, name)
+    want, want16, noisy = _forced_references(ref, ref16, seqs, routing, name)
     # with the references on the CUDA model's experts, MoE logits are as continuous as dense ones
-    _check_prefill_and_decode(outs, want, want16, f"{name} prefill", f"{name} T={columns}")
+    _check_prefill_and_decode(outs, want, want16, f"{name} prefill", f"{name} T={columns}", noisy=noisy)
 
 
-def _check_prefill_and_decode(outs, want, want16, prefill_name, decode_name, allowed: int = 0):
+def _check_prefill_and_decode(outs, want, want16, prefill_name, decode_name, allowed: int = 0, noisy=None):
     """outs: (prefill?, sequence, first position, logits rows, where); each row against the references'
     rows of that sequence, prefill and decode rows as two Agreements (each allowing `allowed` positions
-    past the per-position bound); some position must have been clear."""
+    past the per-position bound, and ill-conditioned ones by the PerturbedReferences `noisy`); some
+    position must have been clear."""
     prefill, decode = Agreement(prefill_name, allowed), Agreement(decode_name, allowed)
     for is_prefill, b, at, rows, where in outs:
         n = rows.shape[0]
-        (prefill if is_prefill else decode).add(rows, want[b][at:at + n], want16[b][at:at + n], where)
+        noise = (lambda w, b=b, at=at: noisy.error(b, at, w)) if noisy is not None else None
+        (prefill if is_prefill else decode).add(rows, want[b][at:at + n], want16[b][at:at + n], where, noise)
     assert prefill.check() + decode.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
@@ -379,8 +423,9 @@ def _teacher_forced_chunks(spec, model, ref, ref16, label: str, allowed: int, se
                 outs.append((False, b, pos[b], out.logits[i * columns:(i + 1) * columns].float().cpu(),
                              f"{label} seq {b} at {pos[b]}"))
                 pos[b] += columns
-    want, want16 = _forced_references(ref, ref16, seqs, None, name)
-    _check_prefill_and_decode(outs, want, want16, f"{label} prefill", f"{label} decode", allowed=allowed)
+    want, want16, noisy = _forced_references(ref, ref16, seqs, None, name)
+    _check_prefill_and_decode(outs, want, want16, f"{label} prefill", f"{label} decode", allowed=allowed,
+                              noisy=noisy)
 
 
 @pytest.mark.parametrize("name,fmt", [(n, f) for f in ["fp8", "modelopt", "compressed-tensors", "ct-fp8-channel",
@@ -538,10 +583,11 @@ def test_mixed_prefill_and_decode_steps_match_the_float32_reference(name, seed, 
         for b, c in step:
             outs.append((b, pos[b], out.logits[at:at + c].float().cpu(), f"{name} step {step}: seq {b} at {pos[b]}"))
             at, pos[b] = at + c, pos[b] + c
-    want, want16 = _forced_references(ref, ref16, seqs, routing, name)
+    want, want16, noisy = _forced_references(ref, ref16, seqs, routing, name)
     check = Agreement(f"{name} mixed")        # the references on the CUDA model's experts (RouteRecorder)
     for b, at, rows, where in outs:
-        check.add(rows, want[b][at:at + rows.shape[0]], want16[b][at:at + rows.shape[0]], where)
+        check.add(rows, want[b][at:at + rows.shape[0]], want16[b][at:at + rows.shape[0]], where,
+                  lambda w, b=b, at=at: noisy.error(b, at, w))
     assert check.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
@@ -591,16 +637,18 @@ def test_speculation_step_with_a_prompt_chunk_matches_the_float32_reference(name
         routing.step([(3 + b, t) for b, t in enumerate(nxt_at)])
         for b in range(B):
             routing.share(3 + b, b, held[b])
-    want, want16 = _forced_references(ref, ref16, seqs, routing, name)
+    want, want16, noisy = _forced_references(ref, ref16, seqs, routing, name)
     check = Agreement(f"{name} verification + prompt chunk")
     at = 0
     for b, c in enumerate(columns):
         s = starts[b]
-        check.add(step[at:at + c], want[b][s:s + c], want16[b][s:s + c], f"{name} step, seq {b}")
+        check.add(step[at:at + c], want[b][s:s + c], want16[b][s:s + c], f"{name} step, seq {b}",
+                  lambda w, b=b, s=s: noisy.error(b, s, w))
         at += c
     for b in range(B):
         t = nxt_at[b]
-        check.add(then[b:b + 1], want[3 + b][t:t + 1], want16[3 + b][t:t + 1], f"{name} the step after the commit, seq {b}")
+        check.add(then[b:b + 1], want[3 + b][t:t + 1], want16[3 + b][t:t + 1], f"{name} the step after the commit, seq {b}",
+                  lambda w, b=b, t=t: noisy.error(3 + b, t, w))
     assert check.check() > 0, "no position with a clear top-2 margin: the test checked no argmax"
 
 
