@@ -16,6 +16,7 @@ import json
 import random
 import re
 import zlib
+from types import SimpleNamespace
 
 import jsonschema
 import numpy as np
@@ -391,7 +392,8 @@ def test_constrained_outputs_on_the_gpu(tok, opts):
     """The demo model on the CUDA backend (bfloat16): the masks reach the GPU ranks' samplers on
     device-fed steps (the default at tp 1), beside MTP speculation and GPU rounds (constrained rows
     are kept out of them) and on plain steps; every output is valid, the one-string grammar forces
-    its text, and an unconstrained greedy request beside them equals its run alone."""
+    its text, an unconstrained greedy request beside them equals its run alone, and min_tokens holds a
+    greedy chat answer past its stop id."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     llg_tok, spec = _llg(tok)
@@ -401,10 +403,23 @@ def test_constrained_outputs_on_the_gpu(tok, opts):
                                                             grammar=G.regex_grammar(re.escape(target), "r")), None)
     free = ("free", tok.encode("Once upon a time"), SamplingParams(temperature=0.0, max_new_tokens=24,
                                                                    ignore_eos=True, logprobs=2), None)
+    # min_tokens on the GPU ranks: a chat answer that ends on a stop id after n tokens, then the same
+    # request held to n + 4 (its stop ids masked out until then, through the same mask path)
+    chat = tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     with Engine.start(PACKAGED_DIR, tp=1, device="cuda", dtype="bfloat16", options=EngineOptions(**opts, **OPTS)) as eng:
         alone = _run(eng, [free])[0]
+        ends = _run(eng, [("ends", chat, SamplingParams(temperature=0.0, max_new_tokens=64, logprobs=2), None)])[0]
+        n = len(ends.tokens)
+        held = _run(eng, [("held", chat, SamplingParams(temperature=0.0, max_new_tokens=n + 8, min_tokens=n + 4,
+                                                        logprobs=2), None)])[0]
         results = _run(eng, reqs + [forced, free])
     _same_greedy_up_to_a_near_tie(results[-1], alone)
+    stops = set(spec.eos_token_ids)
+    assert ends.finish_reason == "stop" and ends.tokens[-1] in stops, "the chat answer should end on a stop id"
+    assert held.error is None and len(held.tokens) >= n + 4 and not stops & set(held.tokens[:n + 4]), held.tokens
+    # up to the stop, the held request is the same greedy answer (or parts from it at a near tie)
+    _same_greedy_up_to_a_near_tie(SimpleNamespace(tokens=held.tokens[:n - 1], logprobs=held.logprobs[:n - 1]),
+                                  SimpleNamespace(tokens=ends.tokens[:n - 1], logprobs=ends.logprobs[:n - 1]))
     assert results[-2].error is None and tok.decode(results[-2].tokens) == target
     for (name, _, params, ok), r in zip(reqs, results):
         assert r.error is None, (name, r.error)
