@@ -4,7 +4,9 @@ Order: read the tokenizer, config and chat template (a bad model directory exits
 listens), bind the socket (a busy port exits 2), start uvicorn; the engine loads in the background
 while /health answers 503. SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
 --shutdown-timeout-s (then cancel them; a second signal cancels them at once), shut the engine and
-its ranks down, exit 0. An engine
+its ranks down, exit 0. A signal at any moment counts: one that comes while serve is still reading
+the model directory or binding (no rank started yet) ends it at once with exit 0, and one that comes
+between the "listening" line and uvicorn's own handlers is the same graceful stop. An engine
 failure: in-flight requests get their errors, the server stops, exit 1 (systemd restarts it).
 """
 
@@ -38,7 +40,35 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _StopBeforeServing(Exception):
+    """A SIGTERM / SIGINT while serve starts, before uvicorn's handlers: nothing runs yet but this process."""
+
+
 def serve(args, argv: list[str]) -> int:
+    """Run `tandem serve` (exit status as the module docstring says). A SIGTERM / SIGINT from the first
+    line on is honoured: while starting it ends serve at once (exit 0: nothing runs yet, no rank has
+    started); from the moment the server object exists it is the server's own shutdown."""
+    held: dict = {}
+
+    def stop_starting(sig, frame):
+        raise _StopBeforeServing(signal.Signals(sig).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_starting)
+    try:
+        return _serve(args, argv, held)
+    except _StopBeforeServing as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)          # the cleanup below is not cut short again
+        if held.get("sock") is not None:
+            held["sock"].close()
+        if held.get("request_log") is not None:
+            held["request_log"].close(f"{e} while starting")
+        print(f"tandem serve: stopped by {e} while starting", file=sys.stderr, flush=True)
+        return 0
+
+
+def _serve(args, argv: list[str], held: dict) -> int:
     from ranks.demo import default_model_dir
     from runtime.config import ConfigError, load_spec
     from runtime.engine import Engine, EngineOptions
@@ -128,6 +158,7 @@ def serve(args, argv: list[str]) -> int:
         sock = _bind(args.host, args.port)
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e}")
+    held["sock"] = sock
     attachments = []
     if args.zmq_endpoint:
         from server.zmq_api import ZmqServer
@@ -142,6 +173,7 @@ def serve(args, argv: list[str]) -> int:
         request_log.event("server_start", **config_record(args, argv), model_dir=os.path.abspath(model_dir),
                           model=model_id, max_context=max_context, tp=args.tp, device=args.device, dtype=dtype,
                           listen=f"{host}:{port}", auth=api_key is not None)
+        held["request_log"] = request_log   # (before server_start the log holds nothing, as for an exit 2)
 
     outcome = {"code": 0, "reason": "signal"}
 
@@ -161,10 +193,18 @@ def serve(args, argv: list[str]) -> int:
                             timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)),
                             h11_max_incomplete_event_size=256 * 1024, server_header=False)
     server = _Server(config, service)
-    # uvicorn restores the previous handlers and re-raises a caught signal after a graceful stop; with
-    # these as the previous handlers that re-raise is a no-op, so a SIGTERM ends in exit status 0
+
+    def to_server(sig, frame):
+        # from here a signal is the server's shutdown, also in the moment before uvicorn installs its own
+        # handlers (uvicorn's startup then sees should_exit and shuts down). uvicorn restores this handler
+        # and re-raises a caught signal after a graceful stop: the server is exiting by then, so that
+        # re-raise is a no-op and a SIGTERM ends in exit status 0
+        if not server.should_exit:
+            server.handle_exit(sig, frame)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, to_server)
+    held.clear()                        # from here the server's own shutdown closes them
     print(f"tandem serve: listening on http://{host}:{port} (model {model_id}, loading)", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])

@@ -699,6 +699,72 @@ def test_zmq_requests_in_flight_may_finish_after_sigterm_with_no_http_connection
         p.close()
 
 
+def _tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment holds TANDEM_TEST_TAG=tag: a serve process's ranks, also once
+    they were orphaned and reparented (which _rank_pids, going by the parent, would miss)."""
+    out, needle = [], f"TANDEM_TEST_TAG={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and _alive(int(entry)):
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_right_after_the_listening_line_stops_serve_with_exit_0(tmp_path, monkeypatch, sig):
+    """The signal comes in the moment between the "listening" line and uvicorn's own handlers, while the
+    ranks are still starting: it is the server's graceful stop (exit 0, no rank left, the request log
+    closed), not swallowed (the server ran on) and not fatal (killed by the signal, ranks orphaned)."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("TANDEM_TEST_TAG", tag)
+    log = tmp_path / "log.jsonl"
+    p = ServeProcess(tiny_model_dir(), "--max-context", "2048", "--request-log-jsonl", str(log))
+    try:
+        p.proc.send_signal(sig)
+        assert p.proc.wait(30) == 0, "".join(p.lines)
+        wait_for(lambda: not _tagged_pids(tag), timeout=10, interval=0.05)
+    finally:
+        p.close()
+        for pid in _tagged_pids(tag):
+            os.kill(pid, signal.SIGKILL)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[0]["event"] == "server_start" and events[-1]["event"] == "server_stop"
+
+
+_SIGNAL_WHILE_BINDING = """
+import os, signal, sys, time
+import server.serve as serve
+real = serve._bind
+def bind(host, port):
+    os.kill(os.getpid(), signal.SIG{name})      # comes while serve is starting: no socket, no rank yet
+    time.sleep(20)
+    return real(host, port)
+serve._bind = bind
+from server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("name", ["TERM", "INT"])
+def test_a_signal_while_serve_is_starting_ends_it_at_once_with_exit_0(tmp_path, name):
+    """Before anything listens: exit 0 at once (not after the 20 s the patched bind would take, not
+    killed by the signal) and a message that says so."""
+    log = tmp_path / "log.jsonl"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_BINDING.format(name=name), "serve", tiny_model_dir(),
+                        "--port", "0", "--request-log-jsonl", str(log)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 15
+    assert f"stopped by SIG{name} while starting" in r.stderr and "listening" not in r.stderr
+    assert log.read_text() == ""        # as for an exit 2: the log starts with server_start, once bound
+
+
 def test_a_rank_that_dies_while_requests_drain_still_exits_1(tmp_path):
     """SIGTERM, then a rank dies while a long stream drains: the stream ends with the engine's error, the
     request log records engine_failed and the process exits 1 (a failure, not a clean stop)."""
