@@ -108,6 +108,7 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._closed = False             # set (under _lock) once the loop stops taking requests
+        self._queued = 0                 # submissions in the inbox, not yet in the scheduler (under _lock)
         self._tmp = tempfile.mkdtemp(prefix="tandem-")
         self._addr = f"ipc://{self._tmp}/ctl"
         self._ctx = zmq.Context()
@@ -312,9 +313,11 @@ class Coordinator:
             # checked again under the lock: once _fail has drained the inbox nothing may enter it
             if self._closed or self.failure:
                 raise EngineError(f"the engine is not serving: {self.failure or 'shut down'}")
-            if self.scheduler.usage()["waiting"] + self.inbox.qsize() >= self.config.max_pending:
+            # the submissions still in the inbox count as queued; those the free slots will take do not wait
+            if self.scheduler.pending(self._queued + 1) > self.config.max_pending:
                 raise Overloaded(f"too many waiting requests (max_pending {self.config.max_pending})")
             self.streams[seq.id] = stream
+            self._queued += 1
             self.inbox.put(("submit", seq))
 
     def cancel(self, request_id: int) -> None:
@@ -393,6 +396,7 @@ class Coordinator:
                 return False
             if kind == "submit":
                 with self._lock:
+                    self._queued -= 1
                     try:
                         self.scheduler.add(value)
                         self.seqs[value.id] = value
@@ -630,6 +634,7 @@ class Coordinator:
                 except queue.Empty:
                     break
                 if kind == "submit":
+                    self._queued -= 1
                     value.status, value.error = Status.FAILED, reason
                     raced.append(value)
         for s in pending + raced:

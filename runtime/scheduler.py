@@ -152,9 +152,19 @@ class Scheduler:
         if need > self.config.kv_pages:
             raise ValueError(f"the request needs {need * PAGE_SIZE} tokens of KV (prompt {len(seq.prompt)} + "
                              f"max_new_tokens {seq.max_new_tokens}); the pool holds {self.config.kv_pages * PAGE_SIZE}")
-        if len(self.waiting) >= self.config.max_pending:
-            raise Overloaded(f"{len(self.waiting)} requests are already waiting (max_pending {self.config.max_pending})")
+        if self.pending(1) > self.config.max_pending:
+            raise Overloaded(f"{self.pending()} requests are already waiting (max_pending {self.config.max_pending})")
         self.waiting.append(seq)
+
+    def pending(self, queued: int = 0) -> int:
+        """Requests waiting for a slot (what max_pending bounds): the queue, plus `queued` requests not
+        yet added to it, beyond the free slots, which the next schedule() gives to the first of them.
+        Counting the queue alone would refuse a burst's requests that arrive before the step that
+        admits the earlier ones: with every slot free, only max_pending of them would get in. Running,
+        waiting and queued requests together stay within max_concurrency + max_pending; where a free slot
+        stays empty (no KV pages for the first waiting request, a copy waiting for its prefix), that many
+        more than max_pending wait."""
+        return max(0, len(self.waiting) + queued - len(self.free_slots))
 
     def cancel(self, seq: Sequence, status: Status = Status.CANCELLED, reason: str | None = None) -> None:
         """End a sequence now and free what it holds (its in-flight result, if any, is ignored)."""

@@ -141,13 +141,24 @@ def test_request_bigger_than_the_pool_is_refused():
     assert sched.schedule().new
 
 
-def test_max_pending_raises_overloaded():
-    sched = Scheduler(cfg(max_pending=3, max_concurrency=1))
-    for _ in range(3):
+@pytest.mark.parametrize("slots", [1, 3])
+def test_max_pending_raises_overloaded_beyond_what_the_free_slots_take(slots):
+    """A burst added before the step that admits it: the free slots take the first of it, so
+    max_concurrency + max_pending get in (pending() counts only the requests beyond the free slots)."""
+    sched = Scheduler(cfg(max_pending=2, max_concurrency=slots))
+    burst = [seq(5, 5) for _ in range(slots + 2)]
+    for s in burst:
+        assert sched.pending() <= 2
+        sched.add(s)
+    assert sched.pending() == 2 and sched.pending(1) == 3
+    with pytest.raises(Overloaded, match="2 requests are already waiting"):
         sched.add(seq(5, 5))
+    assert sched.schedule().new == burst[:slots]        # still 2 waiting for a slot: full
+    assert sched.pending() == 2
     with pytest.raises(Overloaded):
         sched.add(seq(5, 5))
-    sched.schedule()                # one is admitted: room for one more
+    sched.cancel(burst[0])                              # a slot frees: one more
+    assert sched.pending() == 1
     sched.add(seq(5, 5))
     with pytest.raises(Overloaded):
         sched.add(seq(5, 5))
@@ -298,7 +309,7 @@ def test_random_workload_keeps_the_books(seed):
             try:
                 sched.add(s)
             except Overloaded:
-                assert len(sched.waiting) >= c.max_pending
+                assert sched.pending() >= c.max_pending
                 continue
             submitted.append(s)
         for s in list(sched.running) + list(sched.waiting):
