@@ -44,6 +44,12 @@ _NR_MAXD = 512
 _ATT_THREADS = 128               # gqa_decode_split_g* (4 warps)
 _ATT_MAXG = 8                    # query heads per CTA (instantiated 1..8)
 _ATT_I8_MAXG = 4                 # gqa_decode_split_i8_g* (16 dims per lane: instantiated 1..4)
+# head dims of the decode kernels: gqa_decode_split_g* a power of two in [8, ATT_MAXD = 256] (LPK = D / 8
+# lanes per key row), gqa_decode_split_i8_g* 64, 128 or 256 (D / 16 lanes, scales per 64 channels).
+# Every decode and verification step runs them (decode_attention_tc falls back to them), so these are
+# also the head dims the CUDA backend can serve (ranks/cuda_support.py).
+DECODE_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
+DECODE_I8_HEAD_DIMS = (64, 128, 256)
 _KV_GROUP = 64                   # channels per int8 scale
 _COMBINE_THREADS = 64
 _MIN_CHUNK = 64                  # keys per split at least (H200, 27B C=1: 256 left 32 CTAs and 10% of the step)
@@ -239,9 +245,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     N, H = q.shape[0], q.shape[1]
     if H % KV:
         raise KernelError(f"{H} query heads not a multiple of {KV} kv heads")
-    if D < 8 or D > 256 or D & (D - 1):
+    if D not in DECODE_HEAD_DIMS:
         raise KernelError(f"head_dim {D}: the decode kernel needs a power of two in [8, 256]")
-    if quant and D < 64:
+    if quant and D not in DECODE_I8_HEAD_DIMS:
         raise KernelError(f"head_dim {D}: the int8 decode kernel needs 64, 128 or 256")
     if not _aligned(q):
         raise KernelError("q must be 16-byte aligned")

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ranks.cuda_support import check_backend_support
 from ranks.model import HybridModel
 from ranks.random_checkpoint import random_shard
 from ranks.weights import Checkpoint, load_weights
@@ -41,6 +42,9 @@ def build_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str, b
                 weights: str = "bf16", cuda_graphs: bool = True, random_weights: bool = False) -> HybridModel:
     """One whole model (tp 1) in this process, on the chosen backend."""
     spec = load_spec(model_dir)
+    # shapes the CUDA kernels cannot run: refused before the device is touched or a weight is read (the
+    # KV format is the caller's: tandem generate checks it with the rest)
+    check_backend_support(spec, backend=backend, device=device, dtype=dtype, weights=weights, kv_dtype=None)
     if device == "cuda":
         device = "cuda:0"
     if device.startswith("cuda"):

@@ -35,6 +35,7 @@ from kernels import cuda_misc as cm
 from kernels import launch
 from kernels import reference as ops
 from kernels.quant import QuantWeight, cat_rows, quantize_fp8_blocks, quantize_fp8_rows, quantize_nvfp4
+from ranks.cuda_support import WEIGHT_FORMATS, check_cuda_support
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched, conv_window
 from runtime.config import FULL_ATTENTION, PAGE_SIZE, ModelSpec
@@ -71,7 +72,6 @@ def tc_decode_attention() -> bool:
     if v not in ("tc", "split"):
         raise ValueError(f"TANDEM_DECODE_ATTENTION={v!r}: expected tc or split")
     return v == "tc"
-WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "nvfp4")
 
 # linear layers that quantisation on load converts (suffixes of canonical names)
 QUANTISED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -165,14 +165,18 @@ class CudaHybridModel(HybridModel):
     def __init__(self, spec: ModelSpec, weights: dict[str, Tensor], *, tp: int = 1,
                  all_reduce: Callable[[Tensor], Tensor] | None = None, weight_format: str = "bf16",
                  cuda_graphs: bool = True, all_reduce_capturable: bool | None = None):
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format {weight_format!r}: choose from {', '.join(WEIGHT_FORMATS)}")
+        # the shapes the kernels take (ranks/cuda_support.py; the CLI and the ranks check it before any
+        # weight is read, this for direct users). The KV format is not known yet: ModelState refuses an
+        # int8 KV whose head_dim is not a multiple of 64, which with this check is the int8 kernel's rule
+        check_cuda_support(spec, tp, weight_format, kv_dtype=None)
         emb = weights["embed_tokens.weight"]
         if emb.device.type != "cuda":
             raise ValueError(f"CudaHybridModel needs weights on a CUDA device, got {emb.device}")
         if emb.dtype != torch.bfloat16:
             raise ValueError(f"the CUDA kernels run bfloat16 activations; weights are {emb.dtype} "
                              "(use the reference backend for float32)")
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight format {weight_format!r}: choose from {', '.join(WEIGHT_FORMATS)}")
         _fuse_gate_up(weights)
         _fuse_projections(weights)
         super().__init__(spec, weights, tp=tp, all_reduce=all_reduce)

@@ -32,6 +32,7 @@ from ranks.sampler import (SeqSampler, _nan_row, accept_greedy, accept_sampled, 
                            local_candidates, merge_on_device, sample_rows, take_rows, token_logprobs, with_tokens)
 from ranks.backend import choose_backend
 from ranks.checkpoint_quant import quantised_conflict
+from ranks.cuda_support import check_cuda_support
 from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
 from ranks.weights import Checkpoint, validate
@@ -74,6 +75,8 @@ class Worker:
             torch.set_num_threads(max(threads, min(8, len(os.sched_getaffinity(0)) // self.tp)))
         backend = choose_backend(opts.get("backend", "auto"), device, dtype, opts.get("weights", "bf16"))
         self.backend, self.weight_format = backend, opts.get("weights", "bf16")
+        if backend == "cuda":      # tandem generate / serve checked it before spawning; this for Engine users
+            check_cuda_support(self.spec, self.tp, self.weight_format, opts.get("kv_dtype", "bf16"))
         if opts.get("random_weights"):
             weights = random_shard(self.spec, self.rank, self.tp, dtype=dtype, device=device)
         else:

@@ -109,6 +109,13 @@ def _serve(args, argv: list[str], held: dict) -> int:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                      f"{spec.max_position_embeddings}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    # a shape the CUDA kernels cannot run, when these flags pick them (exit 2, naming the config.json fields)
+    from ranks.cuda_support import check_backend_support
+    try:
+        check_backend_support(spec, backend=args.backend, device=args.device, dtype=dtype, tp=args.tp,
+                              weights=args.weights, kv_dtype=args.kv_dtype)
+    except ConfigError as e:
+        return _fail(f"cannot load {model_dir}: {e}")
     from ranks.weights import Checkpoint, CheckpointError, validate
     if not args.random_weights:
         # every header, name, shape and dtype now (headers only, no tensor data): a checkpoint that cannot
