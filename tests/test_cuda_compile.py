@@ -1,6 +1,7 @@
 """Every CUDA source (kernels/cuda/*.cu, whatever exists) compiles with nvcc for each target
-architecture, with the options the runtime gives NVRTC (kernels.launch.COMPILE_OPTIONS), and no kernel
-spills registers to local memory.
+architecture (sm_80, the oldest the product supports, to sm_120a), with the options the runtime gives
+NVRTC (kernels.launch.COMPILE_OPTIONS), and no kernel spills registers to local memory (but for the
+measured exceptions in KNOWN_SPILLS).
 
 A CPU test: it needs nvcc on PATH (skipped otherwise), not a GPU. All (source, arch) compiles start
 together on a thread pool the first time any of them is asked for. ptxas's resource report
@@ -26,8 +27,16 @@ import pytest
 
 from kernels.launch import COMPILE_OPTIONS, CUDA_DIR, source_files
 
-ARCHS = ("sm_86", "sm_89", "sm_90a", "sm_120a")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120a")      # A100 to Blackwell consumer boards
 NVCC = shutil.which("nvcc")
+# (source, arch, kernel) -> the spill bytes (stores or loads) ptxas is known to choose there, each one
+# measured and left: anything more, or a spill anywhere else, fails
+KNOWN_SPILLS = {
+    # the int8 KV decode kernel for one query head a CTA, on the A100's ptxas only (nvcc 13.0): 72
+    # registers, 16 B stack, 12 B spilled and reloaded (no register cap: ptxas's own choice; sm_86 and
+    # newer do not spill). Not changed: no A100 to measure it on, and the bf16 KV kernels do not spill
+    ("attention.cu", "sm_80", "gqa_decode_split_i8_g1"): 12,
+}
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH (the CUDA compile checks need the CUDA toolkit)")
 
@@ -150,7 +159,8 @@ def test_compiles_without_spills(src: Path, arch: str, compiles):
             print(f"{src.name} {arch} {k.name}: {k.registers} regs, {k.smem} B smem, {k.stack} B stack, "
                   f"{k.spill_stores}/{k.spill_loads} B spill st/ld")
     spills = {k.name: (k.spill_stores, k.spill_loads) for k in res.kernels.values()
-              if k.spill_stores or k.spill_loads}
+              if (k.spill_stores or k.spill_loads)
+              and max(k.spill_stores, k.spill_loads) > KNOWN_SPILLS.get((src.name, arch, k.name), 0)}
     assert not spills, f"{src.name} ({arch}) spills registers (stores, loads in bytes): {spills}\n{res.log}"
 
 
