@@ -63,6 +63,8 @@ def tool_arguments(value: Any, param: str) -> dict:
     if isinstance(value, str):
         try:
             value = json.loads(value)
+        except RecursionError:              # json.loads of a string the body check never saw nested
+            raise _bad(f"'{param}' is nested too deeply", param) from None
         except ValueError as e:
             raise _bad(f"'{param}' is not valid JSON: {e}", param) from None
     if not isinstance(value, dict):

@@ -57,6 +57,8 @@ def _schema(value: Any, field: str) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
+        except RecursionError:
+            raise G.GrammarError(f"{field} is a string of JSON nested too deeply") from None
         except ValueError as e:
             raise G.GrammarError(f"{field} is a string but not JSON: {e}") from None
     return G.json_schema_grammar(value, field)

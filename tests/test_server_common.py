@@ -232,6 +232,32 @@ def test_undecodable_bodies_are_400_and_the_server_keeps_serving(srv, raw):
     assert_serving(srv)
 
 
+# JSON carried inside a string field is parsed after the body's own depth check: a document nested past
+# Python's recursion limit there was a RecursionError, answered 500 internal_error
+DEEP_JSON_TEXT = "[" * 5000 + "]" * 5000
+DEEP_IN_STRINGS = [
+    ("/v1/chat/completions", {**CHAT, "messages": USER + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_JSON_TEXT}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {**CHAT, "guided_json": DEEP_JSON_TEXT}, "guided_json"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"json": DEEP_JSON_TEXT}},
+     "structured_outputs.json"),
+    ("/v1/responses", {"model": "tiny", "input": [
+        {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP_JSON_TEXT}]}, "input[1].arguments"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", DEEP_IN_STRINGS, ids=[p for _, _, p in DEEP_IN_STRINGS])
+def test_json_nested_too_deeply_inside_a_string_field_is_400_naming_it(srv, path, body, param):
+    submitted = len(srv.engine.submitted)
+    err = assert_openai_error(post(srv, path, body), 400, param=param)
+    assert err["type"] == "invalid_request_error" and "nested too deeply" in err["message"], err
+    assert len(srv.engine.submitted) == submitted, "a refused request reached the engine"
+    assert_serving(srv)
+
+
 def test_a_surrogate_pair_escape_is_fine(srv):
     r = post(srv, "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
     assert r.status_code == 200, r.text
