@@ -358,7 +358,7 @@ class OutputParser:
         """A Hermes JSON call body {"name": ..., "arguments": {...}} -> (name, args, None) or (.., why)."""
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):       # RecursionError: nested deeper than json can decode
             return "", {}, "<tool_call> JSON body does not parse"
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return "", {}, "<tool_call> JSON body has no \"name\""
@@ -367,7 +367,7 @@ class OutputParser:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         if not isinstance(args, dict) or not _json_ok(args):
             return "", {}, f"<tool_call> JSON for {name!r} has arguments that are not a JSON object"
@@ -644,7 +644,7 @@ def _index_tools(tools: list[dict]) -> dict[str, dict]:
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
@@ -718,7 +718,7 @@ def _convert(text: str, kind: str, nullable: bool) -> tuple[bool, Any]:
         for _ in range(3):    # up to doubly encoded
             try:
                 value = json.loads(s)
-            except ValueError:
+            except (ValueError, RecursionError):       # RecursionError: nested deeper than json can decode
                 if len(s) > MAX_LITERAL:
                     return False, text
                 try:

@@ -292,6 +292,22 @@ def test_bad_arguments_are_refused():
         parser.feed("x")
 
 
+def test_values_nested_deeper_than_json_can_decode_stay_text():
+    """json.loads raises RecursionError (not ValueError) past its depth: an object / array parameter keeps
+    its text (api.md §6.5), a Hermes body nested that deep stays content; neither raises."""
+    deep = "[" * 3000 + "]" * 3000
+    tools = [fn("put", {"items": {"type": "array"}, "o": {"type": "object"}})]
+    for value, key in ((deep, "items"), ('{"a": ' * 3000 + "1" + "}" * 3000, "o")):
+        text = f"<tool_call>\n<function=put>\n<parameter={key}>\n{value}\n</parameter>\n</function>\n</tool_call>"
+        out = parse_text(text, "content", tools)
+        assert [json.loads(c.arguments) for c in out.tool_calls] == [{key: value}]
+    hermes = '<tool_call>\n{"name": "put", "arguments": {"items": ' + deep + '}}\n</tool_call>'
+    out = parse_text(hermes, "content", tools)
+    assert not out.tool_calls and deep in out.content
+    out = parse_text('<tool_call>\n{"name": "put", "arguments": ' + json.dumps(deep) + '}\n</tool_call>', "content", tools)
+    assert not out.tool_calls                      # a string of arguments that cannot be decoded: not an object
+
+
 # ---- property: random compositions render and parse back exactly --------------------------------------
 
 GEN_TOOL = fn("gen", {"s": S, "t": S, "ns": {"type": ["string", "null"]}, "i": I, "f": {"type": "number"},

@@ -297,6 +297,30 @@ def test_tool_call_auto_stream_equals_nonstream(fake):
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt
 
 
+DEEP = "[" * 1100 + "]" * 1100          # deeper than Python's json can decode (its recursion limit)
+LIST_TOOL = {"type": "function", "function": {"name": "put", "parameters": {
+    "type": "object", "properties": {"items": {"type": "array"}}}}}
+
+
+def test_a_generated_value_nested_too_deeply_keeps_its_text_not_a_500(fake):
+    """A model writing an array parameter (XML form) or a Hermes JSON call nested past what json.loads can
+    decode: the value stays the raw string (api.md §6.5: failure -> keep string), the Hermes body stays
+    text; before, the parser's RecursionError failed the request with a 500 (an in-band error streamed)."""
+    xml = "</think>\n\n<tool_call>\n<function=put>\n<parameter=items>\n" + DEEP + "\n</parameter>\n</function>\n</tool_call>"
+    fake.engine.script(xml, xml)
+    ns, s, r, _ = both(fake.client, messages=USER, tools=[LIST_TOOL])
+    same(ns, s)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "put"
+    assert json.loads(call.function.arguments) == {"items": DEEP}
+    hermes = '</think>\n\n<tool_call>\n{"name": "put", "arguments": {"items": ' + DEEP + '}}\n</tool_call>'
+    fake.engine.script(hermes, hermes)
+    ns, s, r, _ = both(fake.client, messages=USER, tools=[LIST_TOOL])
+    same(ns, s)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert DEEP in r.choices[0].message.content
+
+
 def test_tool_call_inside_reasoning_is_still_a_call(fake):
     fake.engine.script("Calling now.\n" + CALL)
     r = fake.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
