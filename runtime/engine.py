@@ -188,6 +188,14 @@ class RequestStream:
                 return
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events in order, as `async for` gives them, but each pass takes every event queued by then
+        (one or more; the final event ends the last list): a consumer that fell behind the engine catches
+        up in one pass instead of one wake-up per event."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         with self._cond:
@@ -195,14 +203,19 @@ class RequestStream:
         try:
             while True:
                 with self._cond:
-                    ev = self._events.popleft() if self._events else None
-                    if ev is None:
+                    batch = list(self._events)
+                    self._events.clear()
+                    if not batch:
                         wake.clear()
-                if ev is None:
+                if not batch:
                     await wake.wait()
                     continue
-                yield ev
-                if ev.final:
+                for n, ev in enumerate(batch):
+                    if ev.final:                        # nothing comes after a final event
+                        del batch[n + 1:]
+                        break
+                yield batch
+                if batch[-1].final:
                     return
         finally:
             with self._cond:

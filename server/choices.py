@@ -58,6 +58,11 @@ async def merged(service: Service, preps: list[Prepared]) -> AsyncIterator[tuple
     """(choice index, delta) from every choice's Service.generate as they come; each choice's deltas in
     order, its Finish last. The first error of any choice is raised (the others are closed, which cancels
     them in the engine)."""
+    if len(preps) == 1:
+        async with aclosing(service.generate(preps[0])) as deltas:
+            async for d in deltas:
+                yield 0, d
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, p: Prepared) -> None:

@@ -199,6 +199,46 @@ def _claim(prepared: Prepared) -> None:
         guard.detach()
 
 
+EVENT_END = object()         # between two engine events' deltas in coalesce()'s input
+
+
+def coalesce(deltas: list) -> list:
+    """Deltas with each run of text of one kind within one engine event (runs end at EVENT_END, which is
+    dropped) merged: content with content, reasoning with reasoning, a tool call's argument fragments
+    with the next ones of the same call. The token log-probabilities between them ride, in order, just
+    before the merged delta (each API attaches them to the chunk that carries their text), so the stream
+    says the same in fewer, larger chunks: a speculation round's tokens in one. Text of different events
+    stays apart, so a stream's chunks keep the engine's pace."""
+    items: list[list] = []                  # [entries before the delta, delta]
+    entries: list = []
+    barrier = True
+    for d in deltas:
+        if d is EVENT_END:
+            barrier = True
+            continue
+        if isinstance(d, TokenLogprobs):
+            entries += d.entries
+            continue
+        last = None if barrier else items[-1][1]
+        barrier = False
+        if (type(d) is type(last) and isinstance(d, (ContentDelta, ReasoningDelta))) or \
+                (isinstance(d, ToolCallArgs) and isinstance(last, ToolCallArgs) and d.index == last.index):
+            items[-1][0] += entries
+            items[-1][1] = (ToolCallArgs(d.index, last.fragment + d.fragment) if isinstance(d, ToolCallArgs)
+                            else type(d)(last.text + d.text))
+        else:
+            items.append([entries, d])
+        entries = []
+    out: list = []
+    for before, d in items:
+        if before:
+            out.append(TokenLogprobs(before))
+        out.append(d)
+    if entries:
+        out.append(TokenLogprobs(entries))
+    return out
+
+
 def release(service, prepared: Prepared) -> None:
     if prepared.submitted is not None and not prepared.claimed:
         _claim(prepared)
@@ -222,7 +262,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
     eos = frozenset() if req.ignore_eos else service.stop_token_ids
     want_logprobs = req.sampling.logprobs is not None
     want_prompt = req.sampling.prompt_logprobs is not None
-    events = stream.__aiter__()
+    events = stream.batches()
     engine_done = False
     try:
         if parser is not None and prepared.forced_prefix:
@@ -230,42 +270,53 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
                 yield d
         reason, matched, engine_timings, engine_usage, engine_spec = None, None, {}, {}, None
         while reason is None:
-            ev = await events.__anext__()
-            if ev.cached_tokens:                # a stop string may end the run before the last event's usage
-                engine_usage = {"cached_tokens": ev.cached_tokens}
-            if want_prompt and (ev.tokens or ev.final):     # the prefill is done: all of the prompt's entries
-                want_prompt = False
-                yield PromptLogprobs(prompt_entries(service.tokenizer, prepared.prompt_ids, ev.prompt_logprobs))
-            for i, tok in enumerate(ev.tokens):
-                stats.token(tok)
-                if tok in eos:
-                    continue
-                if want_logprobs and ev.logprobs is not None and ev.logprobs[i] is not None:
-                    yield TokenLogprobs([logprob_entry(service.tokenizer, tok, ev.logprobs[i])])
-                text = decoder.push(tok)
-                if not text:
-                    continue
-                text, matched = stops.push(text, stats.n_out)
-                for d in stats.feed(parser, text):
-                    yield d
-                if matched is not None:
-                    reason = "stop"
+            # every event queued by now (one wake-up for the steps a busy server fell behind on), token by
+            # token as ever; each event's deltas go out coalesced (a speculation round's tokens in one chunk)
+            out: list = []
+            failure: APIError | None = None
+            for ev in await events.__anext__():
+                out.append(EVENT_END)           # coalesce() merges within one event, never across
+                if ev.cached_tokens:            # a stop string may end the run before the last event's usage
+                    engine_usage = {"cached_tokens": ev.cached_tokens}
+                if want_prompt and (ev.tokens or ev.final):     # the prefill is done: all of the prompt's entries
+                    want_prompt = False
+                    out.append(PromptLogprobs(prompt_entries(service.tokenizer, prepared.prompt_ids,
+                                                             ev.prompt_logprobs)))
+                for i, tok in enumerate(ev.tokens):
+                    stats.token(tok)
+                    if tok in eos:
+                        continue
+                    if want_logprobs and ev.logprobs is not None and ev.logprobs[i] is not None:
+                        out.append(TokenLogprobs([logprob_entry(service.tokenizer, tok, ev.logprobs[i])]))
+                    text = decoder.push(tok)
+                    if not text:
+                        continue
+                    text, matched = stops.push(text, stats.n_out)
+                    out += stats.feed(parser, text)
+                    if matched is not None:
+                        reason = "stop"
+                        break
+                    if parser is not None and parser.stop_requested:
+                        reason = "tool_calls"
+                        break
+                if reason is not None:
                     break
-                if parser is not None and parser.stop_requested:
-                    reason = "tool_calls"
+                if ev.error:
+                    engine_done = True
+                    failure = engine_error(ev.error, prepared.params.grammar)
                     break
-            if reason is not None:
-                break
-            if ev.error:
-                engine_done = True
-                raise engine_error(ev.error, prepared.params.grammar)
-            if ev.final:
-                engine_done = True
-                if ev.finish_reason == "cancelled":
-                    raise APIError(503, "overloaded", "the request was cancelled: the server is shutting down",
-                                   retry_after_s=5)
-                reason, engine_timings, engine_usage = ev.finish_reason or "stop", ev.timings or {}, ev.usage or {}
-                engine_spec = ev.spec
+                if ev.final:
+                    engine_done = True
+                    if ev.finish_reason == "cancelled":
+                        failure = APIError(503, "overloaded", "the request was cancelled: the server is shutting "
+                                           "down", retry_after_s=5)
+                        break
+                    reason, engine_timings, engine_usage = ev.finish_reason or "stop", ev.timings or {}, ev.usage or {}
+                    engine_spec = ev.spec
+            for d in coalesce(out):
+                yield d
+            if failure is not None:
+                raise failure
         if matched is None and not (parser is not None and parser.stop_requested):
             text, matched = stops.push(decoder.flush())
             if matched is None:
