@@ -381,8 +381,8 @@ class Worker:
             host.copy_(picked, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            host, ready = picked, None
+        else:                                           # (the reference backend on a GPU: to the host here)
+            host, ready = picked.cpu(), None
         # elapsed_s: the host's work on the step (to here) plus flush's (its wait for the device included),
         # not the next step's launch that may come in between
         self.pending = _Pending(plan, seq_ids, rows, ids, host, ready, time.perf_counter() - t0, fed)
