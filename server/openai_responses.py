@@ -141,7 +141,12 @@ def _tools(raw: Any) -> ToolSet:
 
 
 def _tool_choice(raw: Any, tools: ToolSet) -> Any:
-    if raw is None or raw in ("auto", "none", "required"):
+    if raw == "required" or (isinstance(raw, dict) and raw.get("type") == "allowed_tools"
+                             and raw.get("mode") == "required"):
+        if not tools.functions:             # as Chat and Messages: a call that no tool can answer
+            raise _bad("tool_choice", "is 'required' but no tools were given")
+        return "required"
+    if raw is None or raw in ("auto", "none"):
         return raw
     if not isinstance(raw, dict):
         raise _bad("tool_choice", f"must be 'none', 'auto', 'required' or an object, got {raw!r}")

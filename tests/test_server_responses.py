@@ -392,6 +392,9 @@ def test_input_tokens_counts_what_prepare_would_build(svc, url, client):
     (lambda b: {**b, "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, 400,
      "tools[0].parameters.type", None),
     (lambda b: {**b, "tool_choice": {"type": "function", "name": "missing"}}, 400, "tool_choice.name", None),
+    (lambda b: {**b, "tool_choice": "required"}, 400, "tool_choice", None),          # no tools: as Chat
+    (lambda b: {**b, "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}}, 400, "tool_choice",
+     None),
     (lambda b: {**b, "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
     (lambda b: {**b, "input": TOO_LONG}, 400, "input", "context_length_exceeded"),
     (lambda b: {**b, "text": {"format": {"type": "xml"}}}, 400, "text.format.type", None),
