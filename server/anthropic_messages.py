@@ -360,7 +360,7 @@ def _tool_use_id(call_id: str) -> str:
 def _tool_input(arguments: str) -> dict:
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):        # RecursionError: nested deeper than json can decode
         log.warning("tool call arguments are not JSON; sending input {}: %.200r", arguments)
         return {}
     return value if isinstance(value, dict) else {}

@@ -330,7 +330,7 @@ class ResponseBuilder:
 def _custom_input(arguments: str) -> str:
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):        # RecursionError: nested deeper than json can decode
         return arguments
     if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
         return value[CUSTOM_INPUT]

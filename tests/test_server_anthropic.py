@@ -508,3 +508,9 @@ def test_real_tiny_engine_streamed_equals_non_streamed(tiny_url, thinking):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(**{**sdk, "model": "claude-unknown"})
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_tool_arguments_nested_deeper_than_json_decodes_give_an_empty_input():
+    from server.anthropic_messages import _tool_input
+    deep = "[" * 100_000 + "]" * 100_000           # past the recursion limit: RecursionError, not ValueError
+    assert _tool_input('{"a": ' + deep + "}") == {} and _tool_input('{"a": [[1]]}') == {"a": [[1]]}

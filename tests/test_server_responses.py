@@ -544,3 +544,9 @@ def test_bad_function_call_arguments_are_named_as_input_items(svc, url, argument
     assert r.status_code == 400 and err["param"] == "input[1].arguments", r.text
     assert "'input[1].arguments'" in err["message"] and fault in err["message"] and "messages" not in err["message"]
     assert svc.started == []
+
+
+def test_custom_tool_input_nested_deeper_than_json_decodes_stays_text():
+    from server.responses_output import CUSTOM_INPUT, _custom_input
+    deep = "[" * 100_000 + "]" * 100_000           # past the recursion limit: RecursionError, not ValueError
+    assert _custom_input(deep) == deep and _custom_input('{"%s": "patch"}' % CUSTOM_INPUT) == "patch"
