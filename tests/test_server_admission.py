@@ -165,3 +165,20 @@ def test_after_a_burst_nothing_is_left_and_a_slot_is_served_again(server):
     r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 4,
                                                   "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_more_choices_than_run_and_wait_at_once_is_a_400_naming_n(server, route):
+    """n > max_concurrency + max_pending could never be admitted (a 429 would be retried for ever); n at the
+    limit runs on an idle server."""
+    url, endpoint, engine, service = server
+    _idle(engine, service)
+    body = {"model": "tiny", "max_tokens": 4, "ignore_eos": True,
+            **({"messages": MESSAGES} if "chat" in route else {"prompt": "count"})}
+    r = httpx.post(url + route, json={**body, "n": C + P + 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert f"{C} running + {P} waiting" in r.json()["error"]["message"]
+    r = httpx.post(url + route, json={**body, "n": C + P}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == C + P, r.text
+    _idle(engine, service)
+    assert engine.stats()["pages_used"] == 0
