@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ranks.cuda_support import check_backend_support
+from ranks.cuda_support import check_backend_support, picks_cuda
 from ranks.model import HybridModel
 from ranks.random_checkpoint import random_shard
 from ranks.weights import Checkpoint, load_weights
@@ -26,8 +26,7 @@ def choose_backend(backend: str, device: str, dtype: torch.dtype, weights: str =
     need the cuda backend."""
     on_cuda = device.startswith("cuda")
     if backend == "auto":
-        from kernels import launch
-        backend = "cuda" if on_cuda and dtype == torch.bfloat16 and launch.available() else "reference"
+        backend = "cuda" if picks_cuda("auto", device, dtype) else "reference"
     if backend == "cuda":
         if not on_cuda:
             raise ValueError(f"the cuda backend needs --device cuda (got {device})")

@@ -38,9 +38,9 @@ async def submit_all(service: Service, preps: list[Prepared]) -> None:
     """Submit every choice; when one is refused, release those already submitted and raise its error.
     More choices than the engine runs and queues at once (max_concurrency + max_pending) could never
     all be admitted, so that is a 400 naming n, not a 429 to retry for ever."""
-    opts = getattr(service.engine, "options", None)
-    limit = getattr(opts, "max_concurrency", 0) + getattr(opts, "max_pending", 0) if opts is not None else 0
-    if limit and len(preps) > limit:
+    opts = getattr(service.engine, "options", None)          # (None: an engine without them, as in tests)
+    limit = opts.max_concurrency + opts.max_pending if opts is not None else None
+    if limit is not None and len(preps) > limit:
         raise APIError(400, "invalid_request", f"invalid value for 'n': {len(preps)} choices are more than the "
                        f"server runs and queues at once ({opts.max_concurrency} running + {opts.max_pending} "
                        f"waiting = {limit})", param="n")

@@ -358,24 +358,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         spec_k = spec_draft_tokens(args, model_dir)
+        from runtime.config import load_spec
+        spec = load_spec(model_dir)
         if not args.random_weights:
             from ranks.checkpoint_quant import quantised_conflict
-            from runtime.config import load_spec
-            problem = quantised_conflict(load_spec(model_dir), args.weights)
+            problem = quantised_conflict(spec, args.weights)
             if problem:
                 raise ValueError(problem)
         # a shape the CUDA kernels cannot run (when these flags pick them): a ConfigError naming the
         # config.json fields, before any weight is read or any rank starts
         from ranks.cuda_support import check_backend_support
-        from runtime.config import load_spec
-        check_backend_support(load_spec(model_dir), backend=args.backend, device=args.device, dtype=args.dtype,
+        check_backend_support(spec, backend=args.backend, device=args.device, dtype=args.dtype,
                               tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
         if args.tp > 1 and not args.random_weights:
             # every header, name, shape and dtype (no tensor data) before rank processes start: a checkpoint
             # that cannot load is refused here, as at tp 1, not reported by a rank
             from ranks.weights import Checkpoint, validate
-            from runtime.config import load_spec
-            validate(Checkpoint(model_dir), load_spec(model_dir))
+            validate(Checkpoint(model_dir), spec)
     except (ConfigError, CheckpointError, OSError) as e:            # before ValueError: they are ValueErrors
         print(f"tandem generate: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
