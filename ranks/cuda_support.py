@@ -3,8 +3,9 @@ weight is read or any rank starts.
 
 The CUDA layer program (ranks/model_cuda.py) launches kernels whose wrappers (kernels/cuda_*.py) refuse
 some shapes with a KernelError. Without this check such a checkpoint loads and fails at its first step;
-with it, the CLI, the engine, the ranks and CudaHybridModel refuse it up front with one ConfigError that
-lists every condition it misses, each naming its config.json field.
+with it, ranks.backend.resolve_backend (the CLI, serve, build_model, the ranks) either runs it on the
+reference backend (--backend auto, bf16 weights: a warning) or refuses it up front with one ConfigError
+that lists every condition it misses, each naming its config.json field; CudaHybridModel refuses it too.
 
 What is checked (sizes per rank where tp splits them; "quantised" is --weights fp8, fp8-block or nvfp4):
 
@@ -157,13 +158,6 @@ def picks_cuda(backend: str, device: str, dtype) -> bool:
     from kernels import launch
     dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     return dt == torch.bfloat16 and launch.available()
-
-
-def check_backend_support(spec: ModelSpec, *, backend: str, device: str, dtype, tp: int = 1,
-                          weights: str = "bf16", kv_dtype: str | None = "bf16") -> None:
-    """check_cuda_support where these settings choose the CUDA backend (picks_cuda); nothing otherwise."""
-    if picks_cuda(backend, device, dtype):
-        check_cuda_support(spec, tp, weights, kv_dtype)
 
 
 def _one_of(values) -> str:

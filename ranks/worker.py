@@ -30,9 +30,8 @@ from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel
 from ranks.sampler import (SeqSampler, _nan_row, accept_greedy, accept_sampled, argmax_rows, gather_log_probs,
                            local_candidates, merge_on_device, sample_rows, take_rows, token_logprobs, with_tokens)
-from ranks.backend import choose_backend
+from ranks.backend import resolve_backend
 from ranks.checkpoint_quant import quantised_conflict
-from ranks.cuda_support import check_cuda_support
 from ranks.random_checkpoint import random_shard
 from ranks.sharding import load_shard
 from ranks.weights import Checkpoint, validate
@@ -73,10 +72,11 @@ class Worker:
             # NaN scan ran 1.5x faster on two threads than on one): this rank's share of the cores, up
             # to 8, until the model is built; the steps' host work is back on `threads` after
             torch.set_num_threads(max(threads, min(8, len(os.sched_getaffinity(0)) // self.tp)))
-        backend = choose_backend(opts.get("backend", "auto"), device, dtype, opts.get("weights", "bf16"))
+        # tandem generate / serve resolved auto before spawning (ranks get "cuda" or "reference"); this for
+        # Engine users: the model's shapes decide between them as there (ranks.backend.resolve_backend)
+        backend = resolve_backend(self.spec, opts.get("backend", "auto"), device, dtype, tp=self.tp,
+                                  weights=opts.get("weights", "bf16"), kv_dtype=opts.get("kv_dtype", "bf16"))
         self.backend, self.weight_format = backend, opts.get("weights", "bf16")
-        if backend == "cuda":      # tandem generate / serve checked it before spawning; this for Engine users
-            check_cuda_support(self.spec, self.tp, self.weight_format, opts.get("kv_dtype", "bf16"))
         if opts.get("random_weights"):
             weights = random_shard(self.spec, self.rank, self.tp, dtype=dtype, device=device)
         else:

@@ -365,11 +365,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             problem = quantised_conflict(spec, args.weights)
             if problem:
                 raise ValueError(problem)
-        # a shape the CUDA kernels cannot run (when these flags pick them): a ConfigError naming the
-        # config.json fields, before any weight is read or any rank starts
-        from ranks.cuda_support import check_backend_support
-        check_backend_support(spec, backend=args.backend, device=args.device, dtype=args.dtype,
-                              tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
+        # a shape the CUDA kernels cannot run (when these flags pick them): auto takes the reference backend
+        # (a warning), --backend cuda and quantised weights a ConfigError naming the config.json fields, before
+        # any weight is read or any rank starts
+        from ranks.backend import resolve_backend
+        args.backend = resolve_backend(spec, args.backend, args.device, args.dtype, tp=args.tp,
+                                       weights=args.weights, kv_dtype=args.kv_dtype)
         if args.tp > 1 and not args.random_weights:
             # every header, name, shape and dtype (no tensor data) before rank processes start: a checkpoint
             # that cannot load is refused here, as at tp 1, not reported by a rank

@@ -109,13 +109,16 @@ def _serve(args, argv: list[str], held: dict) -> int:
         return _fail(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                      f"{spec.max_position_embeddings}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    # a shape the CUDA kernels cannot run, when these flags pick them (exit 2, naming the config.json fields)
-    from ranks.cuda_support import check_backend_support
+    # a shape the CUDA kernels cannot run, when these flags pick them: auto takes the reference backend (a
+    # warning), --backend cuda and quantised weights exit 2 naming the config.json fields
+    from ranks.backend import resolve_backend
     try:
-        check_backend_support(spec, backend=args.backend, device=args.device, dtype=dtype, tp=args.tp,
-                              weights=args.weights, kv_dtype=args.kv_dtype)
+        backend = resolve_backend(spec, args.backend, args.device, dtype, tp=args.tp, weights=args.weights,
+                                  kv_dtype=args.kv_dtype)
     except ConfigError as e:
         return _fail(f"cannot load {model_dir}: {e}")
+    except ValueError as e:
+        return _fail(str(e))
     from ranks.weights import Checkpoint, CheckpointError, validate
     if not args.random_weights:
         # every header, name, shape and dtype now (headers only, no tensor data): a checkpoint that cannot
@@ -136,7 +139,7 @@ def _serve(args, argv: list[str], held: dict) -> int:
                             snapshot_in_step=args.snapshot_in_step,
                             threads_per_rank=args.threads_per_rank,
                             log_level=args.log_level, spec_draft_tokens=spec_k, spec_draft_vocab=args.draft_vocab,
-                            backend=args.backend,
+                            backend=backend,
                             weights=args.weights, kv_dtype=args.kv_dtype, cuda_graphs=args.cuda_graphs,
                             random_weights=args.random_weights, transport=args.transport,
                             overlap_steps=args.overlap_steps, device_feed=args.device_feed)

@@ -2,7 +2,9 @@
 model of the family the repository knows passes at tp 1 and 2 with every weight format; each condition
 a kernel wrapper would raise on at the first step is refused from config.json alone, naming the field;
 unusual shapes the kernels take are not refused. On the CPU: the pure function, and its place before the
-device is touched (build_model, CudaHybridModel). The CLI's exit 2 on a GPU box: the gpu tests at the end."""
+device is touched (build_model, CudaHybridModel); --backend auto falling back to the reference backend
+(resolve_backend), with the kernels' availability faked on the CPU. On a GPU box (the gpu tests at the
+end): the CLI's exit 2 under --backend cuda, and auto running such a model on the reference backend."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 import pytest
 import torch
 
-from ranks.cuda_support import check_backend_support, check_cuda_support, cuda_support_problems, picks_cuda
+from ranks.cuda_support import check_cuda_support, cuda_support_problems, picks_cuda
 from ranks.demo import default_model_dir
 from ranks.random_checkpoint import spec_for, text_config
 from runtime.config import ConfigError, load_spec, spec_from_hf
@@ -243,11 +245,84 @@ def test_which_settings_pick_the_cuda_kernels():
     assert picks_cuda("cuda", "cuda", "bfloat16") and picks_cuda("cuda", "cuda:1", torch.bfloat16)
     assert not picks_cuda("auto", "cuda", "float32")
     assert picks_cuda("auto", "cuda", "bfloat16") == launch.available()
+
+
+@pytest.fixture
+def kernels_available(monkeypatch):
+    """As on a GPU box: auto picks the CUDA kernels for bfloat16 on cuda (nothing here touches a device)."""
+    from kernels import launch
+    monkeypatch.setattr(launch, "available", lambda: True)
+
+
+def test_auto_falls_back_to_the_reference_backend_where_the_kernels_cannot_run(kernels_available, caplog):
+    from ranks.backend import resolve_backend
+    bad, good = tiny_spec(False, head_dim=96), tiny_spec(False)
+    assert resolve_backend(good, "auto", "cuda", "bfloat16") == "cuda"
+    assert resolve_backend(good, "auto", "cuda", torch.bfloat16, weights="nvfp4") == "cuda"
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="ranks.backend"):
+        assert resolve_backend(bad, "auto", "cuda:1", "bfloat16", tp=1, kv_dtype="int8") == "reference"
+    (rec,) = caplog.records
+    assert rec.levelname == "WARNING"
+    assert "head_dim 96" in rec.getMessage() and "reference backend on cuda:1" in rec.getMessage()
+    # per rank: a shape the kernels take at tp 1 but not at tp 2 falls back only at tp 2
+    odd = tiny_spec(False, intermediate_size=40)            # down_proj's in_features: 40 at tp 1, 20 at tp 2
+    assert cuda_support_problems(odd, 1) == [] and cuda_support_problems(odd, 2)
+    assert resolve_backend(odd, "auto", "cuda", "bfloat16", tp=1) == "cuda"
+    assert resolve_backend(odd, "auto", "cuda", "bfloat16", tp=2) == "reference"
+
+
+def test_cuda_and_quantised_weights_are_refused_not_fallen_back(kernels_available):
+    from ranks.backend import resolve_backend
     bad = tiny_spec(False, head_dim=96)
-    check_backend_support(bad, backend="reference", device="cuda", dtype="bfloat16")
-    check_backend_support(bad, backend="auto", device="cpu", dtype="float32")
     with pytest.raises(ConfigError, match="head_dim 96"):
-        check_backend_support(bad, backend="cuda", device="cuda", dtype="bfloat16")
+        resolve_backend(bad, "cuda", "cuda", "bfloat16")
+    # the reference backend runs bf16 weights only: quantised weights of such a model have nowhere to go
+    with pytest.raises(ConfigError, match="head_dim 96"):
+        resolve_backend(bad, "auto", "cuda", "bfloat16", weights="fp8")
+    assert resolve_backend(bad, "reference", "cuda", "bfloat16") == "reference"
+    assert resolve_backend(bad, "auto", "cpu", "float32") == "reference"
+    assert resolve_backend(bad, "auto", "cuda", "float32") == "reference"        # auto's dtype rule, no warning
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        resolve_backend(tiny_spec(False), "cuda", "cpu", "bfloat16")
+
+
+def test_generate_passes_the_fallback_to_its_ranks(tmp_path, kernels_available, monkeypatch, capsys):
+    """tandem generate resolves auto once, before the engine starts, and hands the ranks "reference"."""
+    import runtime
+    from server.cli import main
+    seen = {}
+
+    def start(model_dir, *, tp, device, dtype, options):
+        seen.update(backend=options.backend, tp=tp, device=device)
+        raise runtime.EngineError("stopped here by the test")
+    monkeypatch.setattr(runtime.Engine, "start", staticmethod(start))
+    empty = torch.empty          # generate's probe of --device: a CPU tensor stands in for the GPU's here
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: empty(*a, **kw))
+    d = _config_dir(tmp_path, head_dim=96)
+    assert main(["generate", d, "--prompt-ids", "1,2,3", "--device", "cuda", "--tp", "2", "--random-weights"]) != 0
+    assert seen == dict(backend="reference", tp=2, device="cuda")
+    assert "stopped here by the test" in capsys.readouterr().err
+
+
+def test_serve_passes_the_fallback_to_its_ranks(tmp_path, kernels_available, monkeypatch, capsys):
+    import runtime.coordinator as coordinator
+    import server.serve as serve_mod
+    from ranks.random_checkpoint import build_tokenizer, write_tokenizer
+    from server.cli import main
+    seen = {}
+
+    def pool(options, *a):
+        seen["backend"] = options.backend
+        raise ValueError("stopped here by the test")
+    monkeypatch.setattr(serve_mod, "_device_problem", lambda device: None)
+    monkeypatch.setattr(coordinator, "kv_pool_tokens", pool)
+    d = _config_dir(tmp_path, head_dim=96)
+    write_tokenizer(d, build_tokenizer(text_config("tiny")["vocab_size"]))
+    assert main(["serve", d, "--port", "0", "--device", "cuda", "--random-weights"]) == 2
+    assert seen == {"backend": "reference"}
+    assert main(["serve", d, "--port", "0", "--device", "cuda", "--backend", "cuda", "--random-weights"]) == 2
+    assert "head_dim 96" in capsys.readouterr().err and seen == {"backend": "reference"}
 
 
 def _config_dir(tmp_path, **over) -> str:
@@ -314,14 +389,36 @@ def _bad_dir(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "auto"])
-def test_generate_on_cuda_refuses_with_exit_2(tmp_path, capsys, backend):
+def test_generate_on_cuda_refuses_with_exit_2(tmp_path, capsys):
     from server.cli import main
     d = _bad_dir(tmp_path)
-    assert main(["generate", d, "--prompt-ids", "1,2,3", "--device", "cuda", "--backend", backend,
+    assert main(["generate", d, "--prompt-ids", "1,2,3", "--device", "cuda", "--backend", "cuda",
                  "--random-weights"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"tandem generate: cannot load {d}: ") and "head_dim 96" in err and "\n" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", [False, True], ids=["in-process", "engine"])
+def test_generate_on_cuda_with_auto_runs_on_the_reference_backend(tmp_path, capsys, caplog, engine):
+    """auto on a GPU with a shape the kernels cannot run: the reference backend on the GPU, the same
+    greedy tokens as --backend reference asked for explicitly, and a warning naming the field. In process
+    (build_model), and through the engine's rank process (speculation with the MTP head takes the engine).
+    """
+    from server.cli import main
+    d = _bad_dir(tmp_path)
+    ids = ",".join(str(1 + i % 200) for i in range(40))
+    extra = ["--spec", "mtp"] if engine else []
+    out = {}
+    for backend in ("auto", "reference"):
+        with caplog.at_level("WARNING", logger="ranks.backend"):
+            assert main(["generate", d, "--prompt-ids", ids, "--device", "cuda", "--backend", backend,
+                         "--random-weights", "--greedy", "--max-new-tokens", "6", "--print-token-ids", *extra]) == 0
+        cap = capsys.readouterr()
+        out[backend] = cap.out.strip()
+    assert out["auto"] == out["reference"] and len(out["auto"].split(",")) == 6, out
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "head_dim 96" in warned[0] and "reference backend" in warned[0]
 
 
 @pytest.mark.gpu
@@ -333,7 +430,8 @@ def test_generate_on_cuda_at_tp2_refuses_before_any_rank_starts(tmp_path, capsys
         raise AssertionError("a rank process was spawned for a model the CUDA kernels cannot run")
     monkeypatch.setattr(coordinator.subprocess, "Popen", no_spawn)
     d = _bad_dir(tmp_path)
-    assert main(["generate", d, "--prompt-ids", "1,2,3", "--device", "cuda", "--tp", "2", "--random-weights"]) == 2
+    assert main(["generate", d, "--prompt-ids", "1,2,3", "--device", "cuda", "--tp", "2", "--backend", "cuda",
+                 "--random-weights"]) == 2
     assert "head_dim 96" in capsys.readouterr().err
 
 
@@ -348,7 +446,7 @@ def test_serve_on_cuda_refuses_before_listening(tmp_path, capsys, monkeypatch):
     from ranks.random_checkpoint import build_tokenizer, write_tokenizer
     d = _bad_dir(tmp_path)
     write_tokenizer(d, build_tokenizer(text_config("tiny")["vocab_size"]))            # serve reads one first
-    assert main(["serve", d, "--port", "0", "--device", "cuda", "--random-weights"]) == 2
+    assert main(["serve", d, "--port", "0", "--device", "cuda", "--backend", "cuda", "--random-weights"]) == 2
     err = capsys.readouterr().err
     assert "cannot load" in err and "head_dim 96" in err
 
