@@ -997,3 +997,42 @@ def test_pending_overflow_raises_overloaded_and_recovers(dense, shared):
         assert r.finish_reason in ("cancelled", "length") and r.error is None
     _idle(eng)
     _good_request(eng, dense)
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference backend with its ranks on a GPU: what --backend auto runs for a bf16 model whose shapes
+# the CUDA kernels cannot take (ranks/backend.resolve_backend), and --backend reference on a GPU box
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_reference_backend_ranks_on_a_gpu(kind, request):
+    """float32 torch ops on the device through the rank process: greedy ids (batched, then alone) and
+    seeded samples equal the in-process CPU reference's; bfloat16 on the device runs the same prompts
+    to valid ids of the requested length (its own rounding, so not compared token for token)."""
+    model: Model = request.getfixturevalue(kind)
+    rng = random.Random(_seed(f"reference-gpu-{kind}"))
+    cases = model.ref.clear_prompts(rng, [1, 7, 65, 150], 8)
+    sampled = _seeded_cases(model.ref, rng)[:2]
+    opts = dataclasses.replace(OPTS, backend="reference")
+    eng = Engine.start(model.dir, tp=1, device="cuda", dtype="float32", options=opts)
+    try:
+        streams = [eng.submit(p, greedy(len(ids))) for p, ids in cases]
+        for (p, ids), st in zip(cases, streams):
+            r = st.result(timeout=TIMEOUT)
+            assert r.error is None and r.tokens == ids, f"prompt of {len(p)}: {r.tokens} != reference {ids}"
+        p, ids = cases[2]
+        assert eng.submit(p, greedy(len(ids))).result(timeout=TIMEOUT).tokens == ids
+        for prompt, sp, ids in sampled:
+            assert eng.submit(prompt, sp).result(timeout=TIMEOUT).tokens == ids, sp
+        _idle(eng)
+    finally:
+        eng.shutdown()
+    eng = Engine.start(model.dir, tp=1, device="cuda", dtype="bfloat16", options=opts)
+    try:
+        for p, ids in cases:
+            r = eng.submit(p, greedy(len(ids))).result(timeout=TIMEOUT)
+            assert r.error is None and len(r.tokens) == len(ids) and all(0 <= t < model.ref.V for t in r.tokens)
+        _idle(eng)
+    finally:
+        eng.shutdown()
