@@ -266,13 +266,19 @@ def add_spec_arguments(p) -> None:
 
 def spec_draft_tokens(args: argparse.Namespace, model_dir: str) -> int:
     """EngineOptions.spec_draft_tokens from --spec / --draft-tokens; ValueError when the checkpoint
-    has no MTP weights (checked on the safetensors headers before any rank starts)."""
+    has no MTP weights (checked on the safetensors headers before any rank starts), or with
+    --random-weights when config.json declares no MTP layer (the random weights follow config.json)."""
     if getattr(args, "spec", "off") != "mtp":
         return 0
     from ranks.weights import Checkpoint, validate
     from runtime.config import load_spec
 
-    if not validate(Checkpoint(model_dir), load_spec(model_dir)).has_mtp:
+    spec = load_spec(model_dir)
+    if getattr(args, "random_weights", False):
+        if not spec.mtp_num_layers:
+            raise ValueError(f"--spec mtp needs an MTP layer; {os.path.join(model_dir, 'config.json')} declares "
+                             "none (mtp_num_hidden_layers)")
+    elif not validate(Checkpoint(model_dir), spec).has_mtp:
         raise ValueError(f"--spec mtp needs the model's MTP weights (mtp.* tensors); {model_dir} has none")
     return args.draft_tokens
 

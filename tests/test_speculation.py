@@ -361,6 +361,26 @@ def test_spec_refused_without_mtp_weights(tmp_path):
     assert EngineOptions().spec_draft_tokens == 0
 
 
+@pytest.mark.parametrize("mtp_layers", [1, 0])
+def test_spec_with_random_weights_follows_config_json(tmp_path, capsys, mtp_layers):
+    """--random-weights needs no safetensors for --spec mtp: the random model has an MTP layer when
+    config.json declares one, and then speculation gives plain greedy decoding's ids; without one, exit 2
+    naming the field."""
+    from server.cli import main
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(tiny_config(False, mtp_num_hidden_layers=mtp_layers), f)
+    base = ["generate", str(tmp_path), "--prompt-ids", "5,9,17,33,65", "--random-weights", "--greedy",
+            "--max-new-tokens", "6", "--print-token-ids"]
+    if not mtp_layers:
+        assert main([*base, "--spec", "mtp"]) == 2
+        assert "mtp_num_hidden_layers" in capsys.readouterr().err
+        return
+    assert main([*base, "--spec", "mtp", "--draft-tokens", "2"]) == 0, capsys.readouterr().err
+    spec_ids = capsys.readouterr().out.strip()
+    assert main(base) == 0
+    assert capsys.readouterr().out.strip() == spec_ids and len(spec_ids.split(",")) == 6
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. The embedded demo model's trained MTP head
 
