@@ -493,11 +493,17 @@ class MessageBuilder:
 # ---- routes -------------------------------------------------------------------------------------
 
 def _worded(err: APIError) -> APIError:
-    """An over-long prompt in Anthropic's words, which agents (Claude Code) match to auto-compact."""
+    """A shared layer's error in this API's words: an over-long prompt as Anthropic says it, which agents
+    (Claude Code) match to auto-compact; a bad field (the chat template's refusals, sampling values)
+    prefixed with its name, as this adapter's own validation errors are."""
     m = _CONTEXT_NUMBERS.search(err.message) if err.kind == "context_length_exceeded" else None
-    if m is None:
-        return err
-    return APIError(err.status, err.kind, f"prompt is too long: {m[2]} tokens > {m[1]} maximum", param=err.param)
+    if m is not None:
+        return APIError(err.status, err.kind, f"prompt is too long: {m[2]} tokens > {m[1]} maximum", param=err.param)
+    if err.kind == "invalid_request" and err.param and not err.message.startswith(err.param):
+        return APIError(err.status, err.kind, f"{err.param}: {err.message}", param=err.param,
+                        retry_after_s=err.retry_after_s, should_retry=err.should_retry, code=err.code,
+                        headers=err.headers)
+    return err
 
 
 class MessagesAPI:
@@ -516,7 +522,10 @@ class MessagesAPI:
     async def count_tokens(self, request: Request) -> Response:
         req = await self._parse(request, count_only=True)
         self.service.resolve_model(req.chat.model)          # 404 for an unknown model, as create does
-        return JSONResponse({"input_tokens": self.service.count_tokens(req.chat)})
+        try:
+            return JSONResponse({"input_tokens": self.service.count_tokens(req.chat)})
+        except APIError as e:
+            raise _worded(e) from None
 
     async def create(self, request: Request) -> Response:
         req = await self._parse(request, count_only=False)

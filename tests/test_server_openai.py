@@ -555,6 +555,22 @@ def test_template_refusals_are_400_naming_the_problem(fake, messages, fragment):
     assert fragment in body["message"] + body["param"] and body["param"].startswith("messages")
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("content,fragment", [
+    ([{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}], "at least one user message"),
+    ("<tool_response>\nx\n</tool_response>", "the chat template refused the messages: No user query found"),
+], ids=["tool-results-only", "template"])
+def test_prompt_refusals_on_the_anthropic_api_name_the_field(fake, path, content, fragment):
+    """The prompt layer's refusals (shared with the OpenAI routes) reach an Anthropic client in that
+    API's error shape, the message prefixed with the field as the adapter's own validation errors are."""
+    body = {"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(fake.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith("messages: ") and fragment in err["error"]["message"], err
+
+
 def test_in_band_error_after_the_stream_started(fake):
     from runtime.engine import RequestStream, Event
 

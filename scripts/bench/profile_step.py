@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
-                    help="also print the N functions with the most cumulative host time (cProfile) of the steps")
+                    help="also print the N functions with the most cumulative and the most own host time "
+                         "(cProfile) of the steps; with --out the profile is saved beside it (OUT.prof)")
     ap.add_argument("--shard-of", type=int, default=1, metavar="N",
                     help="rank 0's shard of a tp N split alone, its all-reduces left out (decode.py --shard-of)")
     ap.add_argument("--out", default=None)
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         pr.disable()
         pstats.Stats(pr).sort_stats("cumulative").print_stats(args.cprofile)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(args.cprofile)
+        if args.out:
+            pr.dump_stats(args.out + ".prof")           # for pstats elsewhere
     for name, t in list(times.items())[:args.top]:
         print(f"{t:9.3f} ms {t / total:6.1%}  {name}")
     if args.out:
