@@ -45,7 +45,6 @@ GEMV's blocks start streaming their first weights under the previous kernel's ta
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -200,7 +199,7 @@ _mm_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def gemv_variant() -> str:
     """The GEMV variant from $TANDEM_GEMV_VARIANT ("auto" when unset or empty)."""
-    v = os.environ.get(VARIANT_ENV) or "auto"
+    v = L.getenv(VARIANT_ENV) or "auto"
     if v not in VARIANTS:
         raise L.KernelError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")
     return v
@@ -208,7 +207,7 @@ def gemv_variant() -> str:
 
 def ks_rule() -> str:
     """The I-split rule from $TANDEM_GEMV_KS ("blocks" when unset or empty)."""
-    v = os.environ.get(KS_ENV) or "blocks"
+    v = L.getenv(KS_ENV) or "blocks"
     if v not in KS_RULES:
         raise L.KernelError(f"{KS_ENV}={v!r}: expected one of {', '.join(KS_RULES)}")
     return v
@@ -217,14 +216,14 @@ def ks_rule() -> str:
 def staged_x() -> str:
     """Which launches of 9..32 columns take the x-staging kernels: $TANDEM_GEMV_STAGED, "auto" (nvfp4 at
     17..32 columns), "all" or "0" (see STAGED_ENV)."""
-    v = os.environ.get(STAGED_ENV) or "auto"
+    v = L.getenv(STAGED_ENV) or "auto"
     if v not in ("auto", "all", "0"):
         raise L.KernelError(f"{STAGED_ENV}={v!r}: expected auto, all or 0")
     return v
 
 
 def _mm_setting() -> str:
-    v = os.environ.get(MM_ENV) or "1"
+    v = L.getenv(MM_ENV) or "1"
     if v not in ("0", "1", "all"):
         raise L.KernelError(f"{MM_ENV}={v!r}: expected 1, all or 0")
     return v
@@ -425,7 +424,7 @@ def _route_mm(O: int, I: int, T: int, kind: str, sm_count: int, swiglu: bool, sm
     32 / 64 than the register shapes); otherwise "reg", the register shapes by rule."""
     nb = 2 if T <= 16 else 4 if T <= 32 else 8
     name = f"gemm_{_KIND_TAG[kind]}_n{8 * nb}"
-    shape = os.environ.get(MM_SHAPE_ENV) or "auto"
+    shape = L.getenv(MM_SHAPE_ENV) or "auto"
     if shape not in ("auto", "reg", "base", "m1", "p4", "r"):
         raise L.KernelError(f"{MM_SHAPE_ENV}={shape!r}: expected auto, reg, base, m1, p4 or r")
     ring_ok = not (kind == "nvfp4" and I % 64)        # the ring's 4-byte scale words

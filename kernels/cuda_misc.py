@@ -24,13 +24,12 @@ Semantics follow kernels/reference.py (the oracle in tests/test_cuda_misc.py):
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.launch import KernelError, check, device_of, kernel, launch
+from kernels.launch import KernelError, check, device_of, getenv, kernel, launch
 
 BF16 = torch.bfloat16
 Tensor = torch.Tensor
@@ -259,7 +258,7 @@ def _check_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, dow
 
 def moe_kernels_variant() -> str:
     """The decode experts' kernels from $TANDEM_MOE_KERNELS ("auto" when unset or empty)."""
-    v = os.environ.get(MOE_KERNELS_ENV) or "auto"
+    v = getenv(MOE_KERNELS_ENV) or "auto"
     if v not in MOE_KERNELS_VARIANTS:
         raise KernelError(f"{MOE_KERNELS_ENV}={v!r}: expected one of {', '.join(MOE_KERNELS_VARIANTS)}")
     return v

@@ -37,6 +37,7 @@ import ctypes
 import functools
 import logging
 import os
+import struct as _struct
 import threading
 from pathlib import Path
 
@@ -254,7 +255,7 @@ PDL_DEFAULT = ("gemv_", "gemm_") + tuple(PDL_PROBES)   # dependent launches unde
 
 @functools.lru_cache(maxsize=None)
 def _pdl_all() -> bool:
-    return os.environ.get("TANDEM_PDL", "").strip().lower() == "all"
+    return (getenv("TANDEM_PDL") or "").strip().lower() == "all"
 
 
 def pdl_scope_allows(name: str) -> bool:
@@ -307,7 +308,7 @@ def kernel_params(args) -> tuple[ctypes.Array, ctypes.Structure]:
     for a in args:
         if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
             raise KernelError(f"kernel argument {a!r}: expected a numpy scalar of a fixed width")
-    return pack_args(args)
+    return _pack_args_struct(args)
 
 
 _U64, _I32, _F32 = np.dtype(np.uint64), np.dtype(np.int32), np.dtype(np.float32)
@@ -317,8 +318,79 @@ def pack_args(args):
     """kernelParams straight from launch()'s arguments (the conversions of _arg without numpy
     scalars in between): a tensor is its data pointer (u64), None a null pointer, a bool or int an
     int32 (range-checked), a float a float32, a numpy scalar its own type. Returns the array of
-    pointers to each value and the values' structure; the caller keeps both alive until the launch
-    call returns."""
+    pointers to each value and the values' structure.
+
+    The host time of an eager step is mostly launches (~820 for a 27B step, docs/perf.md), so the
+    packing is planned once per signature (the arguments' types): the structure and its pointer array
+    are kept per thread and signature and refilled with one struct.pack_into. They are valid until this
+    thread's next pack_args call of the same signature, which is enough for a launch (the driver copies
+    the values when it is called, graph capture included); kernel_params gives a structure of its own."""
+    key = tuple(map(type, args))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans.setdefault(key, _pack_plan(key))
+    fmt, tensors, nones, dtypes = plan
+    vals = list(args)
+    for i in tensors:
+        vals[i] = args[i].data_ptr()
+    for i in nones:
+        vals[i] = 0
+    slots = getattr(_tls, "slots", None)
+    if slots is None:
+        slots = _tls.slots = {}
+    slot = slots.get(key)
+    if slot is None:
+        struct_t, offsets = _param_layout(dtypes)
+        v = struct_t()
+        base = ctypes.addressof(v)
+        slot = slots[key] = ((ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets]), v)
+    try:
+        _struct.pack_into(fmt, slot[1], 0, *vals)
+    except (_struct.error, OverflowError):           # an int out of int32 range (KernelError), a float past
+        _, v = _pack_args_struct(args)               # float32's range (ctypes makes it inf, struct refuses)
+        ctypes.memmove(ctypes.addressof(slot[1]), ctypes.addressof(v), ctypes.sizeof(v))
+    return slot
+
+
+_plans: dict[tuple, tuple] = {}
+_tls = threading.local()
+_STRUCT_CHAR = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
+                np.dtype(np.uint32): "I", np.dtype(np.float32): "f", np.dtype(np.float64): "d",
+                np.dtype(np.int16): "h", np.dtype(np.uint16): "H", np.dtype(np.int8): "b", np.dtype(np.uint8): "B"}
+
+
+def _pack_plan(types: tuple) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple]:
+    """pack_args' plan for arguments of these types: the struct format (native byte order, the padding
+    of _param_layout's ctypes structure written out), which positions are tensors and which None, and
+    the argument dtypes."""
+    dtypes, tensors, nones = [], [], []
+    for i, t in enumerate(types):
+        if issubclass(t, torch.Tensor):                  # the order of _pack_args_struct's isinstance chain
+            dtypes.append(_U64)
+            tensors.append(i)
+        elif issubclass(t, int):                         # bool too
+            dtypes.append(_I32)
+        elif issubclass(t, float):                       # numpy.float64 too, as there
+            dtypes.append(_F32)
+        elif t is type(None):
+            dtypes.append(_U64)
+            nones.append(i)
+        elif issubclass(t, np.generic) and np.dtype(t) in _CTYPE:
+            dtypes.append(np.dtype(t))
+        else:
+            raise KernelError(f"kernel argument of type {t.__name__}: expected a tensor, None, bool, int, float "
+                              "or a numpy scalar of a fixed width")
+    struct_t, offsets = _param_layout(tuple(dtypes))
+    fmt, at = "=", 0
+    for d, o in zip(dtypes, offsets):
+        fmt += "x" * (o - at) + _STRUCT_CHAR[d]
+        at = o + d.itemsize
+    fmt += "x" * (ctypes.sizeof(struct_t) - at)
+    return fmt, tuple(tensors), tuple(nones), tuple(dtypes)
+
+
+def _pack_args_struct(args):
+    """pack_args' conversions into a fresh structure (kernel_params: the caller keeps it)."""
     dtypes, vals = [], []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -388,8 +460,18 @@ def _launch_ex(func: int, grid, block, shared_mem: int, stream: int, params, att
     """cuLaunchKernelEx of `func` with kernelParams `params` (pack_args or kernel_params); attrs: with
     the programmatic-serialisation attribute (a dependent launch), else none (an ordinary launch)."""
     lib, launch_ex, pdl_attrs = _driver()
-    cfg = launch_config(grid, block, shared_mem, stream, pdl_attrs if attrs else None)
-    rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
+    # the configuration structure kept per thread and launch shape (a step has a few hundred): the driver
+    # reads it during the call only
+    configs = getattr(_tls, "configs", None)
+    if configs is None:
+        configs = _tls.configs = {}
+    key = (grid, block, shared_mem, stream, attrs)
+    cfg = configs.get(key)
+    if cfg is None:
+        if len(configs) > 4096:
+            configs.clear()
+        cfg = configs[key] = launch_config(grid, block, shared_mem, stream, pdl_attrs if attrs else None)
+    rc = launch_ex(cfg, func, params, None)
     if rc != 0:
         msg = ctypes.c_char_p()
         lib.cuGetErrorString(rc, ctypes.byref(msg))
@@ -487,15 +569,42 @@ def smem_per_sm(device: int | None = None) -> int:
     return device_attribute(device, "shared_memory_per_multiprocessor", DEV_ATTR_SMEM_PER_SM)
 
 
+# The tuning knobs (TANDEM_GEMV_*, ...) are read on every linear() call, thousands of times an eager
+# step, and benchmarks and tests change them inside a process, so they are read each time, not cached:
+# os.environ.get costs ~1 us a read (the name encoded, the value decoded); getenv is a dict lookup in the
+# mapping os.environ keeps its bytes in on POSIX, the value decoded once per distinct value.
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEYS: dict[str, bytes] = {}
+_ENV_VALUES: dict[bytes, str] = {}
+
+
+def getenv(name: str) -> str | None:
+    """os.environ.get(name), faster (see above); follows every change made through os.environ."""
+    if _ENV_DATA is None:
+        return os.environ.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.fsencode(name)
+    raw = _ENV_DATA.get(key)
+    if raw is None:
+        return None
+    v = _ENV_VALUES.get(raw)
+    if v is None:
+        if len(_ENV_VALUES) > 4096:
+            _ENV_VALUES.clear()
+        v = _ENV_VALUES[raw] = os.fsdecode(raw)
+    return v
+
+
 def env_flag(name: str, default: bool = False) -> bool:
-    v = os.environ.get(name)
+    v = getenv(name)
     return default if v is None else v not in ("", "0", "false", "no")
 
 
 def env_int(name: str, lo: int, hi: int | None = None) -> int | None:
     """$name as an integer in lo..hi (hi None: no bound); None when unset or empty; KernelError naming
     the variable otherwise."""
-    v = os.environ.get(name)
+    v = getenv(name)
     if not v:
         return None
     try:

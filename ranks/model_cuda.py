@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,7 +67,7 @@ def tc_decode_min_len() -> int:
 def tc_decode_attention() -> bool:
     if TC_DECODE_ATTENTION is not None:
         return TC_DECODE_ATTENTION
-    v = os.environ.get("TANDEM_DECODE_ATTENTION") or "tc"
+    v = launch.getenv("TANDEM_DECODE_ATTENTION") or "tc"
     if v not in ("tc", "split"):
         raise ValueError(f"TANDEM_DECODE_ATTENTION={v!r}: expected tc or split")
     return v == "tc"
@@ -458,7 +457,7 @@ class CudaHybridModel(HybridModel):
         """The GDN input projections: qkv [N, C] (pre-conv), z [N, HV*DV], a and b [N, HV]; one launch
         where _fuse_gdn_inputs made one weight of all four (bf16), else two."""
         q = p + "linear_attn."
-        if q + GDN_INPUTS_FUSED in self.w and h.dtype == torch.bfloat16 and os.environ.get(GDN_FUSE_ENV) != "0":
+        if q + GDN_INPUTS_FUSED in self.w and h.dtype == torch.bfloat16 and launch.getenv(GDN_FUSE_ENV) != "0":
             qkv, z, a, b = self._projections(h, q, GDN_INPUTS_FUSED, GDN_INPUTS)
             return qkv, z, a, b
         qkv, z = self._projections(h, q, "in_proj_qkvz.weight", ("in_proj_qkv.weight", "in_proj_z.weight"))

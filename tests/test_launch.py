@@ -99,6 +99,63 @@ def test_pack_args_refuse_what_a_kernel_cannot_take():
         L.pack_args([np.complex64(1)])
 
 
+def test_pack_args_refills_one_structure_per_signature_and_thread():
+    """pack_args keeps a structure per argument signature and thread: the next call of the same
+    signature writes its own values into it (a launch has handed the old ones to the driver by then),
+    another signature or another thread has its own, and kernel_params always makes a new one."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    t1, t2 = torch.empty(int(rng.integers(1, 64))), torch.empty(int(rng.integers(1, 64)))
+
+    def values(params, types):
+        return [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(types)]
+    types = (ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int64)
+    a = [t1, int(rng.integers(-2**31, 2**31)), 0.5, np.int64(rng.integers(-2**62, 2**62))]
+    b = [t2, int(rng.integers(-2**31, 2**31)), -2.25, np.int64(rng.integers(-2**62, 2**62))]
+    p1, v1 = L.pack_args(a)
+    assert values(p1, types) == [t1.data_ptr(), a[1], 0.5, int(a[3])]
+    p2, v2 = L.pack_args(b)
+    assert v2 is v1 and values(p2, types) == [t2.data_ptr(), b[1], -2.25, int(b[3])]
+    p3, v3 = L.pack_args([t1, None])                                  # another signature
+    assert v3 is not v1 and values(p3, (ctypes.c_uint64, ctypes.c_uint64)) == [t1.data_ptr(), 0]
+    assert values(p2, types) == [t2.data_ptr(), b[1], -2.25, int(b[3])]
+    seen = {}
+
+    def other():
+        seen["pv"] = L.pack_args(a)
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert seen["pv"][1] is not v1 and values(seen["pv"][0], types)[1] == a[1]
+    assert values(p2, types)[1] == b[1]                              # this thread's untouched
+    kp, kv = L.kernel_params([L._arg(x) for x in a])
+    assert kv is not v1 and values(kp, types)[1] == a[1] and values(p2, types)[1] == b[1]
+    with pytest.raises(L.KernelError, match="int32 range"):             # a planned signature still checks
+        L.pack_args([t1, 2**31, 0.5, np.int64(1)])
+    p4, _ = L.pack_args([t1, 3, 1e39, np.int64(1)])                   # past float32: inf, as ctypes makes it
+    assert values(p4, types)[1:] == [3, float("inf"), 1]
+
+
+def test_getenv_follows_the_environment(monkeypatch):
+    """The fast read of the tuning knobs sees every change made through os.environ (tests and
+    benchmarks switch them inside one process)."""
+    import os
+    name = "TANDEM_TEST_GETENV_" + str(np.random.default_rng().integers(1 << 30))
+    assert L.getenv(name) is None and L.env_int(name, 0) is None
+    monkeypatch.setenv(name, "12")
+    assert L.getenv(name) == "12" and L.env_int(name, 0, 20) == 12
+    os.environ[name] = "héllo"
+    assert L.getenv(name) == "héllo" == os.environ.get(name)
+    with pytest.raises(L.KernelError, match=name):
+        L.env_int(name, 0)
+    os.environ[name] = "0"
+    assert not L.env_flag(name, True)
+    del os.environ[name]
+    assert L.getenv(name) is None and L.env_flag(name, True)
+
+
 def test_kernel_params_refuse_unsized_values():
     with pytest.raises(L.KernelError, match="numpy scalar"):
         L.kernel_params([object()])
