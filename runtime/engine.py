@@ -76,7 +76,9 @@ class EngineOptions:
     snapshot_in_step: bool = True        # prefix cache: a frontier inside a prefill chunk of more than 16
                                          # columns is saved mid-step (Batch.saves); False: the chunk ends
                                          # there and the rest of the prompt takes a step of its own
-    backend: str = "auto"                # "auto" (CUDA kernels for bfloat16 on cuda), "cuda", "reference"
+    backend: str = "auto"                # "auto" (CUDA kernels for bfloat16 on cuda where they take the model's
+                                         # shapes, else the reference backend: ranks.backend.resolve_backend),
+                                         # "cuda", "reference"
     weights: str = "bf16"                # weight format on the device: bf16 | fp8 | fp8-block | nvfp4
     kv_dtype: str = "bf16"               # KV cache: bf16 (the activation dtype) | int8 (+ fp32 scale per 64 channels)
     cuda_graphs: bool = True             # capture decode steps as CUDA graphs (cuda backend)
