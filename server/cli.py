@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_backend_arguments(p) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"],
                    help="layer program: tandem's CUDA kernels or the torch reference ops (default auto: "
-                        "cuda for bfloat16 on a CUDA device)")
+                        "cuda for bfloat16 on a CUDA device, the reference ops there, with a warning, for a "
+                        "model whose shapes the kernels cannot run)")
     p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-block", "nvfp4"],
                    help="weight format on the device, quantised on load from a 16-bit checkpoint (cuda backend); "
                         "a pre-quantised checkpoint (fp8 block-scaled, nvfp4) keeps its own and needs bf16 here")
