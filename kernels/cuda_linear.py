@@ -45,7 +45,6 @@ GEMV's blocks start streaming their first weights under the previous kernel's ta
 
 from __future__ import annotations
 
-
 import torch
 
 from . import cuda_misc

@@ -24,7 +24,6 @@ Semantics follow kernels/reference.py (the oracle in tests/test_cuda_misc.py):
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F

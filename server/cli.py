@@ -265,16 +265,17 @@ def add_spec_arguments(p) -> None:
                         "(default)")
 
 
-def spec_draft_tokens(args: argparse.Namespace, model_dir: str) -> int:
+def spec_draft_tokens(args: argparse.Namespace, model_dir: str, spec=None) -> int:
     """EngineOptions.spec_draft_tokens from --spec / --draft-tokens; ValueError when the checkpoint
     has no MTP weights (checked on the safetensors headers before any rank starts), or with
-    --random-weights when config.json declares no MTP layer (the random weights follow config.json)."""
+    --random-weights when config.json declares no MTP layer (the random weights follow config.json).
+    spec: the model's ModelSpec where the caller has read it already (else config.json is read here)."""
     if getattr(args, "spec", "off") != "mtp":
         return 0
     from ranks.weights import Checkpoint, validate
     from runtime.config import load_spec
 
-    spec = load_spec(model_dir)
+    spec = spec if spec is not None else load_spec(model_dir)
     if getattr(args, "random_weights", False):
         if not spec.mtp_num_layers:
             raise ValueError(f"--spec mtp needs an MTP layer; {os.path.join(model_dir, 'config.json')} declares "
@@ -364,9 +365,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return "\n" if out_ids and decoder is not None else ""
 
     try:
-        spec_k = spec_draft_tokens(args, model_dir)
         from runtime.config import load_spec
         spec = load_spec(model_dir)
+        spec_k = spec_draft_tokens(args, model_dir, spec)
         if not args.random_weights:
             from ranks.checkpoint_quant import quantised_conflict
             problem = quantised_conflict(spec, args.weights)

@@ -129,7 +129,7 @@ def _serve(args, argv: list[str], held: dict) -> int:
             return _fail(f"cannot load {model_dir}: {e}")
     from server.cli import spec_draft_tokens
     try:
-        spec_k = spec_draft_tokens(args, model_dir)
+        spec_k = spec_draft_tokens(args, model_dir, spec)
     except (ValueError, ConfigError, CheckpointError) as e:
         return _fail(str(e))
     options = EngineOptions(max_concurrency=args.max_concurrency, max_pending=args.max_pending,
