@@ -21,6 +21,8 @@ def pytest_report_header(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "slow: long-running CPU test")
+    config.addinivalue_line("markers", "nvcc(keys=, sources=, archs=): reads the session's nvcc builds "
+                                       "(tests/nvcc_builds.py); run last, built meanwhile")
 
 
 @pytest.fixture
@@ -42,7 +44,11 @@ def _gpu_ready() -> str | None:
     return None
 
 
+@pytest.hookimpl(trylast=True)                   # after -k/-m have deselected what will not run
 def pytest_collection_modifyitems(config, items):
+    if any(it.get_closest_marker("nvcc") is not None for it in items):
+        from tests import nvcc_builds
+        nvcc_builds.start(config, items)
     gpu_items = [it for it in items if "gpu" in it.keywords]
     if not gpu_items:
         return
@@ -54,6 +60,32 @@ def pytest_collection_modifyitems(config, items):
         it.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def nvcc_builds(pytestconfig):
+    """The session's nvcc builds (tests/nvcc_builds.Builds): .get(source name, arch) -> CompileResult."""
+    from tests import nvcc_builds as nb
+    if nb.NVCC is None:
+        pytest.skip("nvcc not on PATH (needs the CUDA toolkit)")
+    return nb._builds(pytestconfig)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the nvcc builds and keep ptxas's resource report for the terminal summary and
+    <basetemp>/ptxas_report.txt."""
+    config = session.config
+    if getattr(config, "_tandem_nvcc_builds", None) is None:
+        return
+    from tests import nvcc_builds
+    lines = nvcc_builds.finish(config)
+    if lines:
+        config._tandem_ptxas_report = lines
+        try:
+            report = config._tmp_path_factory.getbasetemp() / "ptxas_report.txt"
+            report.write_text("\n".join(lines) + "\n")
+        except (AttributeError, OSError):
+            pass
+
+
 def gpu_count() -> int:
     try:
         import torch
@@ -63,7 +95,7 @@ def gpu_count() -> int:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Print the ptxas resource report that tests/test_cuda_compile.py leaves on the config, and the
+    """Print the ptxas resource report of the session's nvcc builds (tests/nvcc_builds.py), and the
     seed again (-q hides the header; a log's tail then still shows it)."""
     lines = getattr(config, "_tandem_ptxas_report", None)
     if lines:

@@ -209,17 +209,18 @@ def _memory_ops_before_wait(body: str) -> list[str]:
 
 
 @needs_nvcc
-def test_every_pdl_kernel_waits(tmp_path: Path):
+@pytest.mark.nvcc(keys=[(s.name, "sm_90a") for s in L.source_files()] + [("gemv.cu", "sm_86"), ("norm.cu", "sm_86")])
+def test_every_pdl_kernel_waits(nvcc_builds):
     """Every kernel kernels/launch.py lets run as a dependent launch (is_pdl_kernel) executes
     griddepcontrol.wait (sm_90): the GEMV kernels after putting weight loads in flight, every other
     one before any global load, store, atomic or async copy. Every registered name exists, every kernel
-    that waits is registered, and below sm_90 no kernel contains the instruction."""
+    that waits is registered, and below sm_90 no kernel contains the instruction. (The PTX is the one
+    the session's nvcc builds kept: tests/nvcc_builds.py.)"""
     seen, waiting = set(), set()                     # waiting: kernels that wait but are not registered
     for src in L.source_files():
-        out = tmp_path / f"{src.stem}.ptx"
-        base = [NVCC, *L.COMPILE_OPTIONS, f"-I{L.CUDA_DIR}", "-ptx", "-o", str(out), str(src)]
-        subprocess.run(base + ["-arch=sm_90a"], check=True, capture_output=True, text=True)
-        for name, body in _entries(out.read_text()).items():
+        res = nvcc_builds.get(src.name, "sm_90a")
+        assert res.returncode == 0 and res.ptx, f"nvcc failed for {src.name} (sm_90a):\n{res.log}"
+        for name, body in _entries(res.ptx).items():
             if not L.is_pdl_kernel(name):
                 if "griddepcontrol.wait" in body and name not in L.PDL_PROBES:
                     waiting.add(name)
@@ -230,8 +231,9 @@ def test_every_pdl_kernel_waits(tmp_path: Path):
                 early = _memory_ops_before_wait(body)
                 assert not early, f"{src.name}: {name} touches memory before griddepcontrol.wait: {early}"
         if src.stem in ("gemv", "norm"):                                # spot check of the older targets
-            subprocess.run(base + ["-arch=sm_86"], check=True, capture_output=True, text=True)
-            assert "griddepcontrol" not in out.read_text()
+            old = nvcc_builds.get(src.name, "sm_86")
+            assert old.returncode == 0 and old.ptx, old.log
+            assert "griddepcontrol" not in old.ptx
     assert L.PDL_KERNELS <= seen, f"registered but not in any source: {sorted(L.PDL_KERNELS - seen)}"
     # a kernel that waits for its predecessor is meant to be a dependent launch: launch() refuses an
     # unregistered one at run time, so a new kernel left out of PDL_KERNELS fails here, on the CPU
