@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
+import re
 import struct as _struct
 import threading
 from pathlib import Path
@@ -82,13 +84,35 @@ def source_files() -> list[Path]:
     return sorted(CUDA_DIR.glob("*.cu"))
 
 
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+
+
+def with_include_digest(code: str) -> str:
+    """`code` with a closing comment that carries a digest of every file it includes from kernels/cuda
+    (recursively). CuPy's disk cache keys a module by its own text, options and CuPy's headers only, so
+    without this an edited common.cuh would keep loading binaries built from the old one."""
+    seen: list[str] = []
+    todo = [code]
+    digest = hashlib.sha256()
+    while todo:
+        for inc in _INCLUDE.findall(todo.pop()):
+            path = CUDA_DIR / inc
+            if inc in seen or not path.is_file():
+                continue
+            seen.append(inc)
+            text = path.read_text()
+            digest.update(inc.encode() + b"\0" + text.encode() + b"\0")
+            todo.append(text)
+    return code if not seen else f"{code}\n// included from kernels/cuda: {' '.join(seen)} {digest.hexdigest()}\n"
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name: str, device: int):
     import cupy
-    path = CUDA_DIR / f"{name}.cu"
+    path = CUDA_DIR / f"{name}.cu"                    # an absolute name (tests) stays as it is
     if not path.exists():
         raise KernelError(f"no CUDA source {path}")
-    code = path.read_text()
+    code = with_include_digest(path.read_text())
     with cupy.cuda.Device(device):
         mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS + (f"-I{CUDA_DIR}",),
                              name_expressions=None)

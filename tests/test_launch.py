@@ -294,3 +294,27 @@ def test_moe_kernels_variant_from_the_environment(monkeypatch):
     monkeypatch.setenv(cm.MOE_KERNELS_ENV, "u8")
     with pytest.raises(KernelError, match=cm.MOE_KERNELS_ENV):
         cm.moe_kernels_variant()
+
+
+def test_included_sources_change_the_compiled_text(tmp_path: Path, monkeypatch):
+    """CuPy's kernel cache keys a module by its text: launch.with_include_digest appends a digest of the
+    files a source includes from kernels/cuda (recursively, each once), so editing a header changes the
+    text and its cache entry; a source that includes nothing is left as it is."""
+    monkeypatch.setattr(L, "CUDA_DIR", tmp_path)
+    (tmp_path / "inner.cuh").write_text("#define INNER 1\n")
+    (tmp_path / "outer.cuh").write_text('#include "inner.cuh"\n#include "inner.cuh"\n#define OUTER 2\n')
+    code = '#include "outer.cuh"\n  #  include "missing.cuh"\n__global__ void k() {}\n'
+    first = L.with_include_digest(code)
+    assert first.startswith(code) and "outer.cuh inner.cuh" in first and L.with_include_digest(code) == first
+    (tmp_path / "inner.cuh").write_text("#define INNER 3\n")                  # a change two levels down
+    second = L.with_include_digest(code)
+    assert second != first and second.startswith(code)
+    plain = "__global__ void k() {}\n"
+    assert L.with_include_digest(plain) == plain
+
+
+def test_every_real_source_carries_the_digest_of_common_cuh():
+    for src in L.source_files():
+        text = src.read_text()
+        if '#include "common.cuh"' in text:
+            assert "common.cuh" in L.with_include_digest(text).rsplit("\n// included from kernels/cuda:", 1)[1]

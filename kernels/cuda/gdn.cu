@@ -445,8 +445,10 @@ gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, 
 //     A = strict_lower(beta_i (k_i . k_j) D_ij)  -> shared [64][64]
 //     QKD = lower((q_i . k_j) D_ij)             -> scratch, zeros above the diagonal
 //   and (I + A) X = [beta v | (k beta) e^G] by forward substitution: one thread per column of X
-//   (DV + DK columns), its 64 rows in registers, rows in order; A_ij is the same shared word for
-//   every thread (broadcast), so no barrier is needed inside the solve. U = X[:, :DV], W = X[:, DV:].
+//   (DV + DK columns), its 64 rows in registers, right-looking (x_j, once final, is taken off every
+//   later row, so the dependency chain is one FMA per row); A is stored transposed and A_ij is the
+//   same shared word for every thread (broadcast), so no barrier is needed inside the solve.
+//   U = X[:, :DV], W = X[:, DV:].
 //   k k^T waits in shared memory (thread-major, conflict-free) and q k^T in registers while the value
 //   heads are solved (two blocks per SM: <= 128 registers, ~34 KiB shared). The 64 x 64 reads of A
 //   are the same for every column a thread solves; an opaque zero in their address keeps the compiler
@@ -494,6 +496,29 @@ gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, 
 #define GDN_SCAN_COLS 16        // value columns of one scan block (two groups of 8)
 #define GDN_SCAN_TC(DK) ((DK) <= 128)   // DK with the tensor-core scan (gdn_chunk_scan_tc_dkXX)
 
+// The chunk prep's triangular solve: right-looking (one FMA of dependency per row; the left-looking
+// form's chains were the prep's bound: 309 -> 179 us per 27B layer and 2 048 columns on an H200), but
+// for sm_120, whose ptxas (nvcc 13.0) spills 392 bytes of the right-looking form's registers; there the
+// left-looking form of before stays (no spill). Defined before including this file to force one form.
+#ifndef GDN_PREP_RIGHT_LOOKING
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define GDN_PREP_RIGHT_LOOKING 0
+#else
+#define GDN_PREP_RIGHT_LOOKING 1
+#endif
+#endif
+
+// x -> hi = bf16(x), lo = bf16(x - hi), both rounded to nearest even by the conversion instruction
+// (f32_to_bf16's result for every finite x, without its NaN branch).
+__device__ __forceinline__ void gdn_hi_lo(float x, bf16_t& hi, bf16_t& lo) {
+    unsigned short h, l;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    const float r = __fsub_rn(x, __uint_as_float((unsigned)h << 16));
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(l) : "f"(r));
+    hi = (bf16_t)h;
+    lo = (bf16_t)l;
+}
+
 template <int DK>
 __device__ __forceinline__ void gdn_chunk_prep_body(
     float* __restrict__ U,             // [N, HV, DV]
@@ -507,9 +532,12 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
 {
     constexpr int TK = DK < 32 ? DK : 32;              // DK tile of the Gram products
     constexpr int TS = TK + 1;                         // odd row pitch: the 16 column reads hit 16 banks
-    constexpr int MAT = 2 * GDN_CHUNK * TS > GDN_CHUNK * GDN_CHUNK ? 2 * GDN_CHUNK * TS : GDN_CHUNK * GDN_CHUNK;
+    // A [64][AP], transposed for the right-looking solve (column j of A at [j * AP]: a column per step
+    // as float4 broadcasts; the pitch of 68, a multiple of 4, makes the writes below 2-way conflicts)
+    constexpr int AP = GDN_CHUNK + 4;
+    constexpr int MAT = 2 * GDN_CHUNK * TS > GDN_CHUNK * AP ? 2 * GDN_CHUNK * TS : GDN_CHUNK * AP;
     __shared__ float s_kk[16 * GDN_PREP_THREADS];      // k k^T: this thread's element e at [e * 256 + tid]
-    __shared__ __align__(16) float s_mat[MAT];         // q/k tiles [2][64][TS], then A [64][64]
+    __shared__ __align__(16) float s_mat[MAT];         // q/k tiles [2][64][TS], then A^T [64][AP]
     __shared__ float s_iq[GDN_CHUNK], s_ik[GDN_CHUNK], s_beta[GDN_CHUNK], s_G[GDN_CHUNK], s_eG[GDN_CHUNK];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -656,15 +684,13 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
                 for (int s = 0; s < 4; ++s) {
                     const int cj = tj + 16 * s;
                     const float D = cj <= ri ? expf(__fsub_rn(Gi, s_G[cj])) : 0.f;
-                    sA[ri * GDN_CHUNK + cj] =
+                    sA[GDN_PREP_RIGHT_LOOKING ? cj * AP + ri : ri * AP + cj] =
                         cj < ri ? __fmul_rn(__fmul_rn(bi, s_kk[(4 * r + s) * GDN_PREP_THREADS + tid]), D) : 0.f;
                     if (ri < L) {
                         const float x = cj <= ri ? __fmul_rn(qk[r][s], D) : 0.f;
                         if constexpr (GDN_SCAN_TC(DK)) {            // [n][h][2][64] bf16 hi, lo
                             bf16_t* qb = reinterpret_cast<bf16_t*>(QKD) + ((i64_t)(t0 + ri) * HV + h) * 128 + cj;
-                            const bf16_t xh = f32_to_bf16(x);
-                            qb[0] = xh;
-                            qb[GDN_CHUNK] = f32_to_bf16(__fsub_rn(x, bf16_to_f32(xh)));
+                            gdn_hi_lo(x, qb[0], qb[GDN_CHUNK]);
                         } else {
                             qkd[(i64_t)ri * HV * GDN_CHUNK + cj] = x;
                         }
@@ -674,7 +700,14 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
         }
         __syncthreads();
 
-        // (I + A) X = [beta v | (k beta) e^G], one thread per column of X, rows in order
+        // (I + A) X = [beta v | (k beta) e^G], one thread per column of X.
+        // Right-looking (GDN_PREP_RIGHT_LOOKING): once x_j is final it is taken off every later row
+        // (column j of A is one row of the transposed tile), so a row's value is final one FMA after the
+        // row before it, and the FMAs of a column step are independent. Rows >= L have zero right-hand
+        // sides and zero rows of A (beta = 0, k = 0), so they stay zero: only their loads (clamped to a
+        // valid row) and stores need a test. Otherwise left-looking, rows in order, each row's dot
+        // product in two chains.
+        const int CI = (int)C;                          // offsets inside a chunk fit an int
         for (int col = tid; col < DV + DK; col += GDN_PREP_THREADS) {
             // An opaque zero offset: A is the same for every column, and without it the compiler
             // hoists all 64 x 64 shared reads out of this loop into (spilled) registers.
@@ -684,46 +717,68 @@ __device__ __forceinline__ void gdn_chunk_prep_body(
             const bool isv = col < DV;
             const bf16_t* src = isv ? yv0 + (i64_t)h * DV + col : yk + (col - DV);
             float x[GDN_CHUNK];
+            if constexpr (GDN_PREP_RIGHT_LOOKING) {
 #pragma unroll
-            for (int i = 0; i < GDN_CHUNK; ++i) {
-                float rhs = 0.f;
-                if (i < L) {
-                    const float raw = bf16_to_f32(src[(i64_t)i * C]);
-                    rhs = isv ? __fmul_rn(s_beta[i], raw)
-                              : __fmul_rn(__fmul_rn(__fmul_rn(raw, s_ik[i]), s_beta[i]), s_eG[i]);
+                for (int i = 0; i < GDN_CHUNK; ++i) {
+                    const float raw = bf16_to_f32(src[min(i, L - 1) * CI]);
+                    x[i] = isv ? __fmul_rn(s_beta[i], raw)
+                               : __fmul_rn(__fmul_rn(__fmul_rn(raw, s_ik[i]), s_beta[i]), s_eG[i]);
                 }
-                x[i] = rhs;
-            }
 #pragma unroll
-            for (int i = 1; i < GDN_CHUNK; ++i) {
-                if (i < L) {                            // block-uniform; rows >= L stay 0
-                    float s0 = x[i], s1 = 0.f;          // two chains for latency
+                for (int j = 0; j < GDN_CHUNK - 1; ++j) {
+                    // block-uniform; x_j of a row >= L only reaches rows >= L. The branch also bounds how
+                    // far ptxas hoists the next steps' shared loads (which would spill x otherwise)
+                    if (j < L - 1) {
+                        const float xj = x[j];
 #pragma unroll
-                    for (int j4 = 0; j4 < i; j4 += 4) {
-                        const float4 a4 = sA4[i * (GDN_CHUNK / 4) + j4 / 4];
-                        s0 = fmaf(-a4.x, x[j4], s0);
-                        if (j4 + 1 < i) s1 = fmaf(-a4.y, x[j4 + 1], s1);
-                        if (j4 + 2 < i) s0 = fmaf(-a4.z, x[j4 + 2], s0);
-                        if (j4 + 3 < i) s1 = fmaf(-a4.w, x[j4 + 3], s1);
+                        for (int i4 = (j + 1) & ~3; i4 < GDN_CHUNK; i4 += 4) {
+                            const float4 a4 = sA4[(j * AP + i4) / 4];         // A[i4 .. i4+3][j]
+                            if (i4 + 0 > j) x[i4 + 0] = fmaf(-a4.x, xj, x[i4 + 0]);
+                            if (i4 + 1 > j) x[i4 + 1] = fmaf(-a4.y, xj, x[i4 + 1]);
+                            if (i4 + 2 > j) x[i4 + 2] = fmaf(-a4.z, xj, x[i4 + 2]);
+                            if (i4 + 3 > j) x[i4 + 3] = fmaf(-a4.w, xj, x[i4 + 3]);
+                        }
                     }
-                    x[i] = __fadd_rn(s0, s1);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < GDN_CHUNK; ++i) {
+                    float rhs = 0.f;
+                    if (i < L) {
+                        const float raw = bf16_to_f32(src[i * CI]);
+                        rhs = isv ? __fmul_rn(s_beta[i], raw)
+                                  : __fmul_rn(__fmul_rn(__fmul_rn(raw, s_ik[i]), s_beta[i]), s_eG[i]);
+                    }
+                    x[i] = rhs;
+                }
+#pragma unroll
+                for (int i = 1; i < GDN_CHUNK; ++i) {
+                    if (i < L) {                        // block-uniform; rows >= L stay 0
+                        float s0 = x[i], s1 = 0.f;      // two chains for latency
+#pragma unroll
+                        for (int j4 = 0; j4 < i; j4 += 4) {
+                            const float4 a4 = sA4[(i * AP + j4) / 4];         // A[i][j4 .. j4+3]
+                            s0 = fmaf(-a4.x, x[j4], s0);
+                            if (j4 + 1 < i) s1 = fmaf(-a4.y, x[j4 + 1], s1);
+                            if (j4 + 2 < i) s0 = fmaf(-a4.z, x[j4 + 2], s0);
+                            if (j4 + 3 < i) s1 = fmaf(-a4.w, x[j4 + 3], s1);
+                        }
+                        x[i] = __fadd_rn(s0, s1);
+                    }
                 }
             }
             if (GDN_SCAN_TC(DK) && !isv) {                     // W [n][h][2][DK] bf16 hi, lo
                 bf16_t* dst = reinterpret_cast<bf16_t*>(W) + ((i64_t)t0 * HV + h) * 2 * DK + (col - DV);
+                const int rs = HV * 2 * DK;
 #pragma unroll
                 for (int i = 0; i < GDN_CHUNK; ++i)
-                    if (i < L) {
-                        const bf16_t xh = f32_to_bf16(x[i]);
-                        dst[(i64_t)i * HV * 2 * DK] = xh;
-                        dst[(i64_t)i * HV * 2 * DK + DK] = f32_to_bf16(__fsub_rn(x[i], bf16_to_f32(xh)));
-                    }
+                    if (i < L) gdn_hi_lo(x[i], dst[i * rs], dst[i * rs + DK]);
             } else {
                 float* dst = isv ? U + ((i64_t)t0 * HV + h) * DV + col : W + ((i64_t)t0 * HV + h) * DK + (col - DV);
-                const i64_t stride = isv ? (i64_t)HV * DV : (i64_t)HV * DK;
+                const int rs = isv ? HV * DV : HV * DK;
 #pragma unroll
                 for (int i = 0; i < GDN_CHUNK; ++i)
-                    if (i < L) dst[i * stride] = x[i];
+                    if (i < L) dst[i * rs] = x[i];
             }
         }
     }
