@@ -53,6 +53,7 @@ _SCAN_THREADS = 128      # GDN_SCAN_THREADS
 _SCAN_COLS = 16          # GDN_SCAN_COLS: value columns per block of the CUDA-core scan (DK 256)
 _SCAN_TC_DK = (16, 32, 64, 128)   # GDN_SCAN_TC: DK with the tensor-core scan
 _SCAN_TC_WARPS = 4       # most warps per tensor-core scan block (its launch bound: 128 threads)
+_SCAN_UP = 68            # GDN_SCAN_UP in gdn.cu: row pitch (floats) of the scan block's U tile
 
 
 def _batch(slots: Tensor, cu_seqlens: Tensor, fresh: Tensor) -> int:
@@ -185,7 +186,7 @@ def gated_delta_rule(y: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Te
 
 def _scan_tc_smem(DK: int) -> int:
     """Dynamic shared memory of gdn_chunk_scan_tc_dkXX (GDN_SCAN_TC_SMEM in gdn.cu)."""
-    return 4 * _CHUNK * DK * 2 + 2 * _CHUNK * _CHUNK * 2 + _CHUNK * 16
+    return 4 * _CHUNK * DK * 2 + 2 * _CHUNK * _CHUNK * 2 + 2 * _CHUNK * 16 + _CHUNK * _SCAN_UP * 4
 
 
 def _scan_tc_kernel(DK: int, dev: int):

@@ -476,8 +476,9 @@ gdn_gated_rms_norm_bf16(bf16_t* __restrict__ out, const bf16_t* __restrict__ x, 
 // shared memory). Per chunk, transposed so that the value columns are the mma rows:
 //   V'^T = U^T - S^T W^T;  O^T = (S^T q^T) diag(iq scale e^G) + V'^T QKD^T;
 //   S^T <- e^G_last S^T + (V'^T diag(ik e^(G_last - G))) k
-// W, q, k, QKD and the per-row factors are staged per chunk in shared memory with cp.async (rows >= L
-// zero-filled) and read as B fragments with ldmatrix (k transposed). The prep writes W and QKD as
+// W, q, k, QKD, the per-row factors and the block's U rows are staged per chunk in shared memory with
+// cp.async (rows >= L zero-filled), in two groups that land while the other phase computes, and read
+// as B fragments with ldmatrix (k transposed; U as plain loads). The prep writes W and QKD as
 // bf16 hi/lo pairs and the factors {iq scale e^G, ik e^(G_last - G), e^G_last} for this kernel.
 // Split precision: an fp32 operand x is split into hi = bf16(x), lo = bf16(x - hi); |x - hi - lo|
 // <= 2^-18 |x|. fp32 x fp32 products (S W, V' QKD) take three mmas, hi hi + hi lo + lo hi (the dropped
@@ -1016,8 +1017,11 @@ __device__ __forceinline__ void gdn_lane_offs(int lane, bool trans, unsigned (&o
 }
 
 // Dynamic shared memory of the tensor-core scan: W hi, W lo, q, k [64][DK] bf16, QKD hi, lo [64][64]
-// bf16, the per-row factors [64] float4.
-#define GDN_SCAN_TC_SMEM(DK) (4 * GDN_CHUNK * (DK) * 2 + 2 * GDN_CHUNK * GDN_CHUNK * 2 + GDN_CHUNK * 16)
+// bf16, the per-row factors [2][64] float4 (two chunks: the next one's land while this one's update
+// reads them), the block's U rows [64][GDN_SCAN_UP] fp32 (<= 64 value columns, padded).
+#define GDN_SCAN_UP 68
+#define GDN_SCAN_TC_SMEM(DK) (4 * GDN_CHUNK * (DK) * 2 + 2 * GDN_CHUNK * GDN_CHUNK * 2 + 2 * GDN_CHUNK * 16 \
+                              + GDN_CHUNK * GDN_SCAN_UP * 4)
 
 template <int DK>
 __device__ __forceinline__ void gdn_chunk_scan_tc_body(
@@ -1038,8 +1042,9 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
     constexpr unsigned DB = GDN_CHUNK * GDN_CHUNK * 2; // bytes of a [64][64] bf16 tile
     extern __shared__ __align__(16) unsigned char gdn_smem[];
     const unsigned sWh = smem_u32(gdn_smem), sWl = sWh + TB, sQ = sWh + 2 * TB, sK = sWh + 3 * TB;
-    const unsigned sDh = sWh + 4 * TB, sDl = sDh + DB, sInf = sDl + DB;
-    const float4* s_info = reinterpret_cast<const float4*>(gdn_smem + 4 * TB + 2 * DB);
+    const unsigned sDh = sWh + 4 * TB, sDl = sDh + DB, sInf = sDl + DB, sU = sInf + 2 * GDN_CHUNK * 16;
+    const float4* s_info2 = reinterpret_cast<const float4*>(gdn_smem + 4 * TB + 2 * DB);
+    const float* s_U = reinterpret_cast<const float*>(gdn_smem + 4 * TB + 2 * DB + 2 * GDN_CHUNK * 16);
 
     // An opaque copy of an index: addresses derived from it are recomputed where they are used instead
     // of being kept in registers from an earlier use (e.g. the state addresses across the whole scan).
@@ -1062,11 +1067,15 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
     const int v0 = vb + g, v1 = v0 + 8;
     const bool ok0 = v0 < DV, ok1 = v1 < DV;
 
-    // Tile loads. W and q are read by the first products of a chunk, k, QKD and the factors by the
-    // last ones; each group is reissued for the next chunk as soon as every warp is done with it.
+    // Tile loads, two groups a chunk. A: W, q, QKD, U and the factors, read by the first products
+    // (the factors by the update too, so they alternate between two buffers); B: k, read by the update.
+    // A for chunk c+1 is issued once every warp is done with chunk c's first products, so it lands
+    // during the update; B for chunk c+1 once the update is done, and it lands during chunk c+1's first
+    // products (each phase waits for its own group only).
     // The thread index goes through an opaque move in each call: the copy addresses are loop invariant,
     // and hoisted out of the chunk loop they would hold registers all along.
-    auto issue_wq = [&](int t0, int L) {
+    const int ncol = 16 * (nthr >> 5), vbb = blockIdx.x * ncol;           // the block's value columns
+    auto issue_a = [&](int t0, int L, int buf) {
         const int tid = opaque(threadIdx.x);
         for (int idx = tid; idx < GDN_CHUNK * (DK / 4); idx += nthr) {         // W: 2 DK / 8 chunks per row
             const int i = idx / (DK / 4), c = idx - i * (DK / 4);
@@ -1081,24 +1090,30 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
             cp_async16(sQ + gdn_swz<DK>(i, c), v ? y + (i64_t)(t0 + i) * C + (i64_t)hk * DK + 8 * c : y,
                      v ? 16u : 0u);
         }
-    };
-    auto issue_kd = [&](int t0, int L) {
-        const int tid = opaque(threadIdx.x);
-        for (int idx = tid; idx < GDN_CHUNK * (DK / 8); idx += nthr) {         // k (raw conv output)
-            const int i = idx / (DK / 8), c = idx - i * (DK / 8);
-            const bool v = i < L;
-            cp_async16(sK + gdn_swz<DK>(i, c),
-                     v ? y + (i64_t)(t0 + i) * C + (i64_t)(HK + hk) * DK + 8 * c : y, v ? 16u : 0u);
-        }
         for (int idx = tid; idx < GDN_CHUNK * 16; idx += nthr) {               // QKD: 16 chunks per row
             const int i = idx >> 4, c = idx & 15;
             const bool v = i < L;
             cp_async16(((c >> 3) ? sDl : sDh) + gdn_swz<GDN_CHUNK>(i, c & 7),
                      v ? QKDp + ((i64_t)(t0 + i) * HV + h) * 128 + 8 * c : QKDp, v ? 16u : 0u);
         }
+        for (int idx = tid; idx < GDN_CHUNK * (ncol / 4); idx += nthr) {       // U (rows >= L, columns >= DV: 0)
+            const int i = idx / (ncol / 4), c = idx - i * (ncol / 4);
+            const bool v = i < L && vbb + 4 * c < DV;                         // DV % 4 == 0
+            cp_async16(sU + (i * GDN_SCAN_UP + 4 * c) * 4,
+                     v ? U + ((i64_t)(t0 + i) * HV + h) * DV + vbb + 4 * c : U, v ? 16u : 0u);
+        }
         for (int i = tid; i < GDN_CHUNK; i += nthr) {                          // factors (rows >= L: 0)
             const bool v = i < L;
-            cp_async16(sInf + 16 * i, v ? info + (i64_t)(t0 + i) * HV + h : info, v ? 16u : 0u);
+            cp_async16(sInf + 16 * (GDN_CHUNK * buf + i), v ? info + (i64_t)(t0 + i) * HV + h : info, v ? 16u : 0u);
+        }
+    };
+    auto issue_b = [&](int t0, int L) {
+        const int tid = opaque(threadIdx.x);
+        for (int idx = tid; idx < GDN_CHUNK * (DK / 8); idx += nthr) {         // k (raw conv output)
+            const int i = idx / (DK / 8), c = idx - i * (DK / 8);
+            const bool v = i < L;
+            cp_async16(sK + gdn_swz<DK>(i, c),
+                     v ? y + (i64_t)(t0 + i) * C + (i64_t)(HK + hk) * DK + 8 * c : y, v ? 16u : 0u);
         }
     };
 
@@ -1116,15 +1131,17 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
     }
 
     const int nch = (hi - lo + GDN_CHUNK - 1) / GDN_CHUNK;
-    issue_wq(lo, min(GDN_CHUNK, hi - lo));
-    issue_kd(lo, min(GDN_CHUNK, hi - lo));
+    issue_a(lo, min(GDN_CHUNK, hi - lo), 0);
+    cp_async_commit();
+    issue_b(lo, min(GDN_CHUNK, hi - lo));
     cp_async_commit();
     for (int c = 0; c < nch; ++c) {
         const int t0 = lo + c * GDN_CHUNK, L = min(GDN_CHUNK, hi - t0);
         const int t1 = t0 + GDN_CHUNK, L1 = min(GDN_CHUNK, hi - t1);          // next chunk (if c + 1 < nch)
+        const float4* s_info = s_info2 + GDN_CHUNK * (c & 1);
 
-        cp_async_wait<0>();
-        __syncthreads();                               // this chunk's tiles landed (every thread's copies)
+        cp_async_wait<1>();                            // group A of this chunk (B, k, may still be in flight)
+        __syncthreads();                               // ... landed, every thread's copies
 
         // NQ groups of 64 / NQ chunk rows (group hq: n-tiles 8/NQ hq ..). Group hq computes
         // V'^T = U^T - S^T W^T for its rows (vt[n], starting from U^T: vt[n][0..1] = U[i = 8n + 2t, +1][v0],
@@ -1144,11 +1161,12 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
             float ot[8 / NQ][4];
 #pragma unroll
             for (int n = 8 / NQ * hq; n < 8 / NQ * (hq + 1); ++n) {
-                const float* u = U + ((i64_t)(t0 + 2 * tr) * HV + h) * DV + 8 * n * rs;
-                vt[n][0] = 8 * n < Lt && ok0 ? u[v0] : 0.f;
-                vt[n][1] = 8 * n + 1 < Lt && ok0 ? u[rs + v0] : 0.f;
-                vt[n][2] = 8 * n < Lt && ok1 ? u[v1] : 0.f;
-                vt[n][3] = 8 * n + 1 < Lt && ok1 ? u[rs + v1] : 0.f;
+                // U rows >= L and columns >= DV are zeros in shared memory
+                const float* u = s_U + (8 * n + 2 * tr) * GDN_SCAN_UP + (v0 - vbb);
+                vt[n][0] = u[0];
+                vt[n][1] = u[GDN_SCAN_UP];
+                vt[n][2] = u[8];
+                vt[n][3] = u[GDN_SCAN_UP + 8];
                 ot[n - 8 / NQ * hq][0] = ot[n - 8 / NQ * hq][1] = ot[n - 8 / NQ * hq][2] = ot[n - 8 / NQ * hq][3] = 0.f;
             }
 
@@ -1215,11 +1233,11 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
                 }
             }
         }
-        __syncthreads();                               // every warp done with W and q
-        if (c + 1 < nch) {
-            issue_wq(t1, L1);
-            cp_async_commit();
-        }
+        __syncthreads();                               // every warp done with W, q, QKD and U
+        if (c + 1 < nch) issue_a(t1, L1, (c + 1) & 1);
+        cp_async_commit();                             // (an empty group on the last chunk: the count stays)
+        cp_async_wait<1>();                            // group B of this chunk (k)
+        __syncthreads();
 
         // S^T <- e^G_last S^T + (V'^T diag(ik e^(G_last - G))) k   (k exact in bf16: 2 products)
         const float eL = s_info[0].z;                  // row 0 is always valid (L >= 1)
@@ -1248,11 +1266,9 @@ __device__ __forceinline__ void gdn_chunk_scan_tc_body(
                 mma_bf16_16816(st[2 * p + 1], al, bk[2], bk[3]);
             }
         }
-        __syncthreads();                               // every warp done with k, QKD and the factors
-        if (c + 1 < nch) {
-            issue_kd(t1, L1);
-            cp_async_commit();
-        }
+        __syncthreads();                               // every warp done with k
+        if (c + 1 < nch) issue_b(t1, L1);
+        cp_async_commit();
     }
 
     // The slot and the state address are read / computed again rather than kept across the chunk loop.
