@@ -18,8 +18,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -104,6 +106,9 @@ class Builds:
         self.cache_dir = cache_dir
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvcc")
         self.futures: dict[tuple[str, str], Future] = {}
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self._closing = False
         digest = hashlib.sha256(f"{_CACHE_VERSION}\0{_nvcc_version()}\0{COMPILE_OPTIONS}".encode())
         for path in sorted(CUDA_DIR.iterdir()):                         # sources and the headers they include
             if path.is_file():
@@ -125,7 +130,30 @@ class Builds:
                 if f.done() and not f.cancelled() and f.exception() is None]
 
     def close(self) -> None:
+        """Cancel the builds not started and stop the running ones (a run cut short by -x or ^C does
+        not wait minutes for compiles nobody reads)."""
+        with self._lock:
+            self._closing = True
+            for proc in self._running:                                  # nvcc and its cicc / ptxas
+                for pid in _process_tree(proc.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, cmd: list[str]) -> tuple[int, str]:
+        with self._lock:
+            if self._closing:
+                return -9, "not built: the session ended first"
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self._running.add(proc)
+        try:
+            out, _ = proc.communicate()
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+        return proc.returncode, out
 
     def _cache_file(self, name: str, arch: str) -> Path | None:
         if self.cache_dir is None:
@@ -156,7 +184,7 @@ class Builds:
         t0 = time.perf_counter()
         for attempt in range(3):
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                returncode, log = self._run(cmd)
                 break
             except OSError as e:
                 # starting nvcc failed (seen once on a CI-class machine: EFAULT from exec while many compiles
@@ -165,18 +193,32 @@ class Builds:
                     raise
                 time.sleep(1.0)
         seconds = time.perf_counter() - t0
-        log = proc.stdout + proc.stderr
         ptx_file = keep / f"{Path(name).stem}.ptx"
         ptx = ptx_file.read_text() if ptx_file.exists() else ""
         shutil.rmtree(keep, ignore_errors=True)                         # the preprocessed sources are large
-        if cached is not None and proc.returncode == 0:
+        if cached is not None and returncode == 0:
             try:
                 tmp = cached.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"returncode": proc.returncode, "log": log, "ptx": ptx}))
+                tmp.write_text(json.dumps({"returncode": returncode, "log": log, "ptx": ptx}))
                 tmp.replace(cached)
             except OSError:
                 pass
-        return CompileResult(name, arch, proc.returncode, log, ptx, seconds, parse_ptxas(log))
+        return CompileResult(name, arch, returncode, log, ptx, seconds, parse_ptxas(log))
+
+
+def _process_tree(pid: int) -> list[int]:
+    """pid and its descendants, parents first (Linux /proc; just pid elsewhere). The compiles stay in
+    pytest's process group, so a ^C reaches them directly; this is for stopping them from close()."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo.extend(int(c) for c in task.read_text().split())
+            except (OSError, ValueError):
+                pass
+    return out
 
 
 def item_keys(item) -> list[tuple[str, str]]:
