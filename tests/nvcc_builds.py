@@ -107,6 +107,10 @@ class Builds:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvcc")
         self.futures: dict[tuple[str, str], Future] = {}
         self._running: set[subprocess.Popen] = set()
+        # the environment as it is when the pool starts (collection): the compiles run while tests
+        # monkeypatch os.environ, and a compile must not carry a test's variables (a test that kills
+        # every process holding its tag would kill the compile too)
+        self._env = dict(os.environ)
         self._lock = threading.Lock()
         self._closing = False
         digest = hashlib.sha256(f"{_CACHE_VERSION}\0{_nvcc_version()}\0{COMPILE_OPTIONS}".encode())
@@ -146,7 +150,7 @@ class Builds:
         with self._lock:
             if self._closing:
                 return -9, "not built: the session ended first"
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env)
             self._running.add(proc)
         try:
             out, _ = proc.communicate()

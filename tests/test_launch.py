@@ -318,3 +318,17 @@ def test_every_real_source_carries_the_digest_of_common_cuh():
         text = src.read_text()
         if '#include "common.cuh"' in text:
             assert "common.cuh" in L.with_include_digest(text).rsplit("\n// included from kernels/cuda:", 1)[1]
+
+
+def test_nvcc_builds_keep_the_environment_they_started_with(tmp_path: Path, monkeypatch):
+    """The session's nvcc builds run while tests monkeypatch os.environ: a build started during a test
+    must not inherit its variables (test_server_common kills every process holding its tag)."""
+    from tests import nvcc_builds as nb
+    monkeypatch.delenv("TANDEM_TEST_TAG", raising=False)
+    builds = nb.Builds(tmp_path, None, workers=1)
+    try:
+        monkeypatch.setenv("TANDEM_TEST_TAG", "leak-check")
+        code, out = builds._run(["sh", "-c", 'echo "tag=${TANDEM_TEST_TAG:-none}"'])
+        assert code == 0 and out.strip() == "tag=none"
+    finally:
+        builds.close()
