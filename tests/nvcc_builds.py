@@ -17,6 +17,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -66,27 +67,28 @@ class CompileResult:
     kernels: dict[str, KernelUsage] = field(default_factory=dict)
 
 
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
 def parse_ptxas(log: str) -> dict[str, KernelUsage]:
     """Per-function resource usage from `ptxas -v` output."""
-    import re
-    entry = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
-    props = re.compile(r"Function properties for (\S+)")
-    frame = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-    used = re.compile(r"Used (\d+) registers")
-    smem = re.compile(r"(\d+) bytes smem")
     out: dict[str, KernelUsage] = {}
     cur: KernelUsage | None = None
     for line in log.splitlines():
-        if m := entry.search(line):
+        if m := _ENTRY.search(line):
             cur = out.setdefault(m.group(1), KernelUsage(m.group(1)))
             cur.entry = True
-        elif m := props.search(line):
+        elif m := _PROPS.search(line):
             cur = out.setdefault(m.group(1), KernelUsage(m.group(1)))
-        elif cur is not None and (m := frame.search(line)):
+        elif cur is not None and (m := _FRAME.search(line)):
             cur.stack, cur.spill_stores, cur.spill_loads = (int(g) for g in m.groups())
-        elif cur is not None and (m := used.search(line)):
+        elif cur is not None and (m := _USED.search(line)):
             cur.registers = int(m.group(1))
-            if s := smem.search(line):
+            if s := _SMEM.search(line):
                 cur.smem = int(s.group(1))
     return out
 
