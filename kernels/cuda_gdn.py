@@ -29,7 +29,7 @@ import operator
 
 import torch
 
-from kernels.launch import KernelError, check, device_of, kernel, launch, sm_count
+from kernels.launch import KernelError, check, device_of, getenv, kernel, launch, sm_count
 
 Tensor = torch.Tensor
 
@@ -37,6 +37,10 @@ _SOURCE = "gdn"
 _CONV_THREADS = 128
 _CONV_COLS = 16          # GDN_CONV_COLS in gdn.cu
 _CONV_MAX_K = 8          # GDN_CONV_MAX_K in gdn.cu
+# Two channels per conv thread (gdn_conv1d_bf16_x2: one 32-bit load or store for both) where C is even
+# and x / out are 4-byte aligned; the same arithmetic per channel, so the same bits. TANDEM_GDN_CONV_X2=0
+# keeps one channel per thread everywhere (for comparisons; read at every launch, so at graph capture).
+CONV_X2_ENV = "TANDEM_GDN_CONV_X2"
 _REC_WARPS = 4           # warps per block of the recurrent kernel (8 value columns each)
 _NORM_WARPS = 8
 _REC_KERNELS = {16: "gdn_recurrent_dk16", 32: "gdn_recurrent_dk32", 64: "gdn_recurrent_dk64",
@@ -107,8 +111,11 @@ def conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, cu_seql
         return out
     longest = max(1, N - B + 1) if max_columns is None else max(1, int(max_columns))
     chunks = -(-longest // _CONV_COLS)
-    grid = (-(-C // _CONV_THREADS), B, chunks)
-    launch(kernel(_SOURCE, "gdn_conv1d_bf16", dev), grid, (_CONV_THREADS,),
+    pair = (C % 2 == 0 and x.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0
+            and (getenv(CONV_X2_ENV) or "1").strip() != "0")
+    P = 2 if pair else 1
+    grid = (-(-C // (P * _CONV_THREADS)), B, chunks)
+    launch(kernel(_SOURCE, "gdn_conv1d_bf16_x2" if pair else "gdn_conv1d_bf16", dev), grid, (_CONV_THREADS,),
            (out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, K, 1 if update_state else 0), device=dev, pdl=True)
     return out
 

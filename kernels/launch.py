@@ -267,7 +267,8 @@ PDL_KERNELS = frozenset({
     "add_rms_norm_bf16_v8", "add_rms_norm_bf16_generic", "swiglu_bf16_v8", "swiglu_bf16_generic",
     "moe_route_topk", "moe_gate_up_swiglu", "moe_gate_up_swiglu_late", "moe_down_combine",
     "moe_down_combine_late", "qk_norm_rope_kv_write_bf16",
-    "qk_norm_rope_kv_write_i8", "gqa_decode_combine", "gdn_conv1d_bf16", "gdn_gated_rms_norm_bf16",
+    "qk_norm_rope_kv_write_i8", "gqa_decode_combine", "gdn_conv1d_bf16", "gdn_conv1d_bf16_x2",
+    "gdn_gated_rms_norm_bf16",
     "floor_empty"})
 PDL_WAIT_FIRST = ("gemv_", "gemm_")                 # may start loads (weights only) before pdl_wait
 # bench.cu's probe (tests/test_cuda_launch.py) writes a flag before its wait on purpose

@@ -101,6 +101,49 @@ def test_conv1d_matches_reference(shape, K, batch, update_state, seed):
     assert torch.equal(conv, expected_state), "conv windows differ (or a slot outside the batch changed)"
 
 
+@pytest.mark.parametrize("case", ["27b-long", "35b-verify6", "gva3-K5-decode8", "odd-C", "offset-view"])
+def test_conv1d_one_and_two_channels_per_thread_agree(case, seed, monkeypatch):
+    """gdn_conv1d_bf16_x2 (C even, 4-byte aligned x / out: the default there) against the one-channel
+    kernel (TANDEM_GDN_CONV_X2=0, and what an odd C or an offset view takes): the same outputs and
+    windows bit for bit, both against the float32 reference."""
+    from kernels import cuda_gdn as cg
+    shape, K, batch = {"27b-long": ("27b", 4, "long"), "35b-verify6": ("35b", 4, "verify6"),
+                       "gva3-K5-decode8": ("gva3", 5, "decode8"), "odd-C": (None, 4, "long"),
+                       "offset-view": ("tiny16", 3, "verify6")}[case]
+    if shape is None:
+        C = 99
+    else:
+        HK, HV, DK, DV = SHAPES[shape]
+        C = 2 * HK * DK + HV * DV
+    gen = torch.Generator().manual_seed(seed)
+    lengths = BATCHES[batch]
+    N = sum(lengths)
+    n_slots, slots, fresh, cu, (slots_d, cu_d, fresh_d) = make_batch(lengths, gen)
+    if case == "offset-view":                      # 2-byte aligned: the one-channel kernel
+        x = torch.randn(N * C + 1, generator=gen).to(torch.bfloat16).cuda()[1:].view(N, C)
+    else:
+        x = torch.randn(N, C, generator=gen).to(torch.bfloat16).cuda()
+    w = (0.3 * torch.randn(C, K, generator=gen)).to(torch.bfloat16).cuda()
+    conv0 = torch.randn(n_slots, C, K - 1, generator=gen).to(torch.bfloat16).cuda()
+    results = {}
+    for x2 in ("1", "0"):
+        monkeypatch.setenv(cg.CONV_X2_ENV, x2)
+        conv = conv0.clone()
+        out = torch.full((N, C), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cg.conv1d(x, w, conv, slots_d, cu_d, fresh_d, out=out)
+        results[x2] = (out, conv)
+    assert torch.equal(results["1"][0], results["0"][0]), "the two kernels' outputs differ"
+    assert torch.equal(results["1"][1], results["0"][1]), "the two kernels' windows differ"
+    out, conv = results["1"]
+    expected_state = conv0.clone()
+    for i, T in enumerate(lengths):
+        lo, hi = cu[i], cu[i + 1]
+        y, st = ref.causal_conv1d(x[lo:hi], w, None if fresh[i] else conv0[slots[i]])
+        assert maxrel(out[lo:hi], y) <= 1e-2, f"sequence {i} (T={T}, fresh={fresh[i]})"
+        expected_state[slots[i]] = st
+    assert torch.equal(conv, expected_state)
+
+
 # --------------------------------------------------------------------------------------------------
 # gated delta rule
 

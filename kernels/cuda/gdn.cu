@@ -13,6 +13,7 @@
 //                       recurrence, so chunks run in parallel;
 //                       chunk 0 alone reads the old window and writes the new one (the last K-1
 //                       inputs, read back from x), so no other thread touches the slot's window.
+// gdn_conv1d_bf16_x2    the same with two channels per thread (C even, x / out 4-byte aligned).
 // gdn_recurrent_dkXX    gates, q/k l2norm and the gated delta rule, fp32 state in registers across the
 //                       sequence's columns. See the layout note above gdn_recurrent_body.
 // gdn_chunk_prep_dkXX, gdn_chunk_scan_dkXX   the same rule in chunks of 64 columns for prefill (one
@@ -34,14 +35,26 @@ __device__ __forceinline__ float gdn_softplus(float x) { return x > 20.f ? x : l
 // Causal conv1d
 
 // K a compile-time constant, so the window and the chunk's inputs stay in registers through the
-// unrolled column loop (with K at run time ptxas put them on the stack).
-template <int K>
+// unrolled column loop (with K at run time ptxas put them on the stack). P channels per thread (1, or
+// 2 when C is even and x / out are 4-byte aligned: one 32-bit load or store moves both channels'
+// values, half the memory instructions of P = 1); each channel's arithmetic is the same in either.
+template <int P>
+__device__ __forceinline__ void conv_load(float (&v)[P], const bf16_t* p) {
+    if (P == 2) {
+        const float2 f = bf16x2_to_f32x2(*reinterpret_cast<const unsigned*>(p));
+        v[0] = f.x; v[P - 1] = f.y;
+    } else {
+        v[0] = bf16_to_f32(*p);
+    }
+}
+
+template <int K, int P>
 __device__ __forceinline__ void gdn_conv1d_body(bf16_t* __restrict__ out, const bf16_t* __restrict__ x,
                                                 const bf16_t* __restrict__ weight, bf16_t* __restrict__ conv_state,
                                                 const int* __restrict__ slots, const int* __restrict__ cu_seqlens,
                                                 const int* __restrict__ fresh, int N, int C, int update_state)
 {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * P;    // this thread's channels c..c+P-1
     if (c >= C) return;
     const int bseq = blockIdx.y;
     const int lo = cu_seqlens[bseq], hi = cu_seqlens[bseq + 1];
@@ -53,98 +66,120 @@ __device__ __forceinline__ void gdn_conv1d_body(bf16_t* __restrict__ out, const 
     const int W = K - 1;
     const int slot = slots[bseq];
     const bool zero = fresh[bseq] != 0 || slot < 0;
-    bf16_t* st = conv_state + ((i64_t)(slot < 0 ? 0 : slot) * C + c) * W;   // the slot's window, oldest first
-
-    float w[GDN_CONV_MAX_K];
+    bf16_t* st = conv_state + ((i64_t)(slot < 0 ? 0 : slot) * C + c) * W;   // channel c's window, oldest
+                                                                             // first; c + 1's follows it
+    float w[P][GDN_CONV_MAX_K];
 #pragma unroll
-    for (int j = 0; j < GDN_CONV_MAX_K; ++j) w[j] = j < K ? bf16_to_f32(weight[(i64_t)c * K + j]) : 0.f;
+    for (int q = 0; q < P; ++q)
+#pragma unroll
+        for (int j = 0; j < GDN_CONV_MAX_K; ++j) w[q][j] = j < K ? bf16_to_f32(weight[(i64_t)(c + q) * K + j]) : 0.f;
 
     // win[j] = the input at column t0 - W + j (j < W): from x, or from the old window before lo.
     // Only chunk 0 (t0 = 0) reaches before lo, since t0 >= GDN_CONV_COLS >= W otherwise.
-    float win[GDN_CONV_MAX_K - 1];
+    float win[P][GDN_CONV_MAX_K - 1];
 #pragma unroll
     for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {
-        float v = 0.f;
+        float v[P];
+#pragma unroll
+        for (int q = 0; q < P; ++q) v[q] = 0.f;
         if (j < W) {
             const int m = t0 - W + j;
-            if (m >= 0) v = bf16_to_f32(x[(i64_t)(lo + m) * C + c]);
-            else if (!zero) v = bf16_to_f32(st[m + W]);
-        }
-        win[j] = v;
-    }
-    float old[GDN_CONV_MAX_K - 1];                       // chunk 0: the old window (zeros when fresh)
+            if (m >= 0) {
+                conv_load<P>(v, x + (i64_t)(lo + m) * C + c);
+            } else if (!zero) {
 #pragma unroll
-    for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) old[j] = win[j];
-
+                for (int q = 0; q < P; ++q) v[q] = bf16_to_f32(st[q * W + m + W]);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < P; ++q) win[q][j] = v[q];
+    }
     // The chunk's inputs loaded up front: sixteen loads in flight per thread (one at a time, a prefill
     // chunk's conv ran at an eighth of the memory bandwidth).
-    float xs[GDN_CONV_COLS];
+    float xs[GDN_CONV_COLS][P];
 #pragma unroll
-    for (int i = 0; i < GDN_CONV_COLS; ++i)
-        xs[i] = t0 + i < t1 ? bf16_to_f32(x[(i64_t)(lo + t0 + i) * C + c]) : 0.f;
+    for (int i = 0; i < GDN_CONV_COLS; ++i) {
+        if (t0 + i < t1) {
+            conv_load<P>(xs[i], x + (i64_t)(lo + t0 + i) * C + c);
+        } else {
+#pragma unroll
+            for (int q = 0; q < P; ++q) xs[i][q] = 0.f;
+        }
+    }
 
 #pragma unroll
     for (int i = 0; i < GDN_CONV_COLS; ++i) {
         const int t = t0 + i;
         if (t < t1) {
-            const float xt = xs[i];
-            float acc = 0.f;
-    #pragma unroll
-            for (int j = 0; j < GDN_CONV_MAX_K; ++j) {
-                if (j < K) {
-                    const float xv = j < W ? win[min(j, GDN_CONV_MAX_K - 2)] : xt;     // j == W: the new input
-                    acc = __fadd_rn(acc, __fmul_rn(w[j], xv));
+            bf16_t o[P];
+#pragma unroll
+            for (int q = 0; q < P; ++q) {
+                const float xt = xs[i][q];
+                float acc = 0.f;
+#pragma unroll
+                for (int j = 0; j < GDN_CONV_MAX_K; ++j) {
+                    if (j < K) {
+                        const float xv = j < W ? win[q][min(j, GDN_CONV_MAX_K - 2)] : xt;   // j == W: the new input
+                        acc = __fadd_rn(acc, __fmul_rn(w[q][j], xv));
+                    }
                 }
+#pragma unroll
+                for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {   // shift the window by one column
+                    if (j < W - 1) win[q][j] = win[q][min(j + 1, GDN_CONV_MAX_K - 2)];
+                    else if (j == W - 1) win[q][j] = xt;
+                }
+                o[q] = f32_to_bf16(gdn_silu(gdn_round_bf16(acc)));
             }
-    #pragma unroll
-            for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {   // shift the window by one column
-                if (j < W - 1) win[j] = win[min(j + 1, GDN_CONV_MAX_K - 2)];
-                else if (j == W - 1) win[j] = xt;
-            }
-            out[(i64_t)(lo + t) * C + c] = f32_to_bf16(gdn_silu(gdn_round_bf16(acc)));
+            bf16_t* dst = out + (i64_t)(lo + t) * C + c;
+            if (P == 2) *reinterpret_cast<unsigned*>(dst) = (unsigned)o[0] | ((unsigned)o[P - 1] << 16);
+            else *dst = o[0];
         }
     }
 
     // New window = the last W entries of [old window, x_lo .. x_{hi-1}]: entry j is column T - W + j.
     if (update_state && slot >= 0 && blockIdx.z == 0) {
 #pragma unroll
-        for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {
-            if (j < W) {
-                const int m = T - W + j;
-                bf16_t v;
-                if (m >= 0) {
-                    v = x[(i64_t)(lo + m) * C + c];
-                } else {                                  // old[m + W], m + W in 0..W-1
-                    float o = 0.f;
+        for (int q = 0; q < P; ++q) {
 #pragma unroll
-                    for (int i = 0; i < GDN_CONV_MAX_K - 1; ++i) if (i == m + W) o = old[i];
-                    v = f32_to_bf16(o);                   // exact: o is a bf16 value
+            for (int j = 0; j < GDN_CONV_MAX_K - 1; ++j) {
+                if (j < W) {
+                    const int m = T - W + j;
+                    bf16_t v;
+                    if (m >= 0) v = x[(i64_t)(lo + m) * C + c + q];
+                    else v = zero ? (bf16_t)0 : st[q * W + m + W];   // the old window's entry m + W > j:
+                    st[q * W + j] = v;                                // read before this loop writes it
                 }
-                st[j] = v;
             }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-gdn_conv1d_bf16(bf16_t* __restrict__ out,                // [N, C]
-                const bf16_t* __restrict__ x,            // [N, C] pre-conv inputs
-                const bf16_t* __restrict__ weight,       // [C, K]
-                bf16_t* __restrict__ conv_state,         // [S, C, K-1]
-                const int* __restrict__ slots, const int* __restrict__ cu_seqlens,
-                const int* __restrict__ fresh, int N, int C, int K, int update_state)
-{
-    pdl_enter();
-    switch (K) {                                         // 2..GDN_CONV_MAX_K (the wrapper checks)
-    case 2: gdn_conv1d_body<2>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
-    case 3: gdn_conv1d_body<3>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
-    case 4: gdn_conv1d_body<4>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
-    case 5: gdn_conv1d_body<5>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
-    case 6: gdn_conv1d_body<6>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
-    case 7: gdn_conv1d_body<7>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
-    case 8: gdn_conv1d_body<8>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break;
+#define GDN_CONV_CASES(P) \
+    switch (K) {                                         /* 2..GDN_CONV_MAX_K (the wrapper checks) */ \
+    case 2: gdn_conv1d_body<2, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
+    case 3: gdn_conv1d_body<3, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
+    case 4: gdn_conv1d_body<4, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
+    case 5: gdn_conv1d_body<5, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
+    case 6: gdn_conv1d_body<6, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
+    case 7: gdn_conv1d_body<7, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
+    case 8: gdn_conv1d_body<8, P>(out, x, weight, conv_state, slots, cu_seqlens, fresh, N, C, update_state); break; \
     }
-}
+
+#define GDN_CONV_KERNEL(name, P) \
+    extern "C" __global__ void __launch_bounds__(128) \
+    name(bf16_t* __restrict__ out,                       /* [N, C] */ \
+         const bf16_t* __restrict__ x,                   /* [N, C] pre-conv inputs */ \
+         const bf16_t* __restrict__ weight,              /* [C, K] */ \
+         bf16_t* __restrict__ conv_state,                /* [S, C, K-1] */ \
+         const int* __restrict__ slots, const int* __restrict__ cu_seqlens, \
+         const int* __restrict__ fresh, int N, int C, int K, int update_state) \
+    { \
+        pdl_enter(); \
+        GDN_CONV_CASES(P) \
+    }
+
+GDN_CONV_KERNEL(gdn_conv1d_bf16, 1)
+GDN_CONV_KERNEL(gdn_conv1d_bf16_x2, 2)             // C even, x and out 4-byte aligned
 
 // --------------------------------------------------------------------------------------------------
 // Gated delta rule (recurrent form), gates and q/k l2norm fused.
