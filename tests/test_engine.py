@@ -8,7 +8,11 @@ float32 sums in another order (tp splits, chunked prefill, batch shapes) move th
 models' logits by up to ~4e-3 (measured: top-two gap differences p99 ~5e-4, max ~4e-3 at tp 4 over
 500 positions), so a prompt whose reference path passes a near tie (top-two gap < MARGIN) could
 legitimately flip a token; such prompts / seeds are redrawn before the engine sees them (about 1 in
-70 positions is that close). Everything else must match exactly.
+70 positions is that close). The MoE router is the other place where those last bits can flip a
+choice: two experts whose softmax probabilities sit within ROUTER_MARGIN of each other at the top-k
+boundary swap under a different summation order (seen: a gap of 8e-7 at tp 4 moved the next logit by
+1.1), so a reference path that routes any token that close is redrawn too. Everything else must match
+exactly.
 
 Engines cost ~2-4 s to start (process spawn, torch import): one dense tp 1 and one dense tp 2 engine
 are shared by the module; tp 4, MoE and failure tests start their own.
@@ -17,6 +21,7 @@ are shared by the module; tp 4, MoE and failure tests start their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -29,6 +34,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import reference as ops
 from ranks.model import Batch, HybridModel
@@ -40,6 +46,7 @@ from tests.conftest import BASE_SEED
 from tests.util import tiny_config, write_tiny_checkpoint
 
 MARGIN = 1e-2           # top-two logit gap the reference path must keep (see module doc)
+ROUTER_MARGIN = 2e-5    # gap between the k-th and (k+1)-th expert probability it must keep (MoE)
 TIMEOUT = 120           # seconds any single wait may take before the test calls it a hang
 HEADS = dict(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
 OPTS = EngineOptions(max_concurrency=8, max_pending=64, prefill_chunk=64, max_step_tokens=256, max_context=1024,
@@ -62,6 +69,29 @@ class _NearTie(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _router_watch(margin: float):
+    """While the reference runs: raise _NearTie if the MoE router puts any token's k-th and (k+1)-th
+    expert within `margin` of each other in probability (the reference's own rule: fp32 softmax)."""
+    if margin <= 0:
+        yield
+        return
+    route = ops.moe_route
+
+    def watched(x, w_router, top_k):
+        probs = torch.softmax(F.linear(x, w_router).float(), dim=-1)
+        if top_k < probs.shape[-1]:
+            p = torch.topk(probs, top_k + 1, dim=-1).values
+            if float((p[:, top_k - 1] - p[:, top_k]).min()) < margin:
+                raise _NearTie
+        return route(x, w_router, top_k)
+    ops.moe_route = watched            # moe_block looks the name up in its module at each call
+    try:
+        yield
+    finally:
+        ops.moe_route = route
+
+
 class Reference:
     """One sequence at a time through HybridModel (float32, tp 1, whole-prompt prefill)."""
 
@@ -70,18 +100,22 @@ class Reference:
         self.model = HybridModel(spec, weights)
         self.V = spec.vocab_size
 
-    def _run(self, prompt: list[int], n: int, pick) -> list[int]:
+    def _run(self, prompt: list[int], n: int, pick, router_margin: float = 0.0) -> list[int]:
         pages = math.ceil((len(prompt) + n) / PAGE_SIZE)
         state = self.model.new_state(num_slots=1, num_pages=pages)
         table = torch.arange(pages, dtype=torch.int32)[None]
-        logits = self.model.forward(Batch(torch.tensor(prompt), [len(prompt)], [0], [0], table), state).logits
+
+        def forward(tokens, pos):
+            with _router_watch(router_margin):
+                return self.model.forward(Batch(torch.tensor(tokens), [len(tokens)], [pos], [0], table),
+                                          state).logits
+        logits = forward(prompt, 0)
         out = []
         for i in range(n):
             tok = pick(logits[0], len(prompt) + i)
             out.append(tok)
             if i + 1 < n:
-                logits = self.model.forward(Batch(torch.tensor([tok]), [1], [len(prompt) + i], [0], table),
-                                            state).logits
+                logits = forward([tok], len(prompt) + i)
         return out
 
     def greedy(self, prompt: list[int], n: int, margin: float = 0.0) -> tuple[list[int], float]:
@@ -94,7 +128,7 @@ class Reference:
             if gaps[-1] < margin:
                 raise _NearTie
             return int(ops.greedy(logits[None])[0])
-        return self._run(prompt, n, pick), min(gaps)
+        return self._run(prompt, n, pick, ROUTER_MARGIN if margin > 0 else 0.0), min(gaps)
 
     def sample(self, prompt: list[int], p: SamplingParams, margin: float = 0.0) -> tuple[list[int], float]:
         """The engine's sampler semantics on one sequence: penalties over what it has seen, a draw keyed
@@ -127,7 +161,7 @@ class Reference:
             return tok
 
         out_so_far: list[int] = []
-        return self._run(prompt, p.max_new_tokens, pick), min(gaps)
+        return self._run(prompt, p.max_new_tokens, pick, ROUTER_MARGIN if margin > 0 else 0.0), min(gaps)
 
     def clear_prompts(self, rng: random.Random, lengths: list[int], n: int) -> list[tuple[list[int], list[int]]]:
         """(prompt, reference greedy ids) for each length, redrawn until the path has no near tie."""
