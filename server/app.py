@@ -80,6 +80,13 @@ class FrontDoor:
             return
         rid = "req_" + secrets.token_hex(12)
         path = scope.get("path", "")
+        if len(path) > 1 and path.endswith("/"):
+            # "/v1/chat/completions/" is served as "/v1/chat/completions": the router would answer a
+            # 307 redirect, which some clients do not follow for a POST (or follow without the body)
+            path = path.rstrip("/") or "/"
+            scope = dict(scope, path=path)
+            if isinstance(scope.get("raw_path"), bytes):
+                scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         labels = [v for k, v in headers if k == b"x-tandem-client"]
         label = labels[0].decode("latin-1") if len(labels) == 1 else None

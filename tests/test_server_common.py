@@ -268,6 +268,16 @@ def test_unknown_model_is_404_model_not_found(srv):
     assert_openai_error(srv.http.get("/v1/models/gpt-9"), 404, code="model_not_found")
 
 
+def test_a_trailing_slash_is_served_as_the_route_without_it(srv):
+    r = post(srv, "/v1/chat/completions/", CHAT)
+    assert r.status_code == 200, r.text                       # not a 307 redirect to the path without it
+    assert r.json()["object"] == "chat.completion" and len(r.json()["choices"]) == 1
+    r = srv.http.get("/v1/models//")
+    assert r.status_code == 200 and r.json()["object"] == "list", r.text
+    assert_openai_error(srv.http.get("/v1/nothing-here/"), 404, code="not_found")
+    assert_serving(srv)
+
+
 def test_unknown_routes_and_wrong_methods_use_the_family_shape(srv):
     assert_openai_error(srv.http.get("/v1/nothing-here"), 404, code="not_found")
     assert_openai_error(srv.http.post("/nope"), 404)
