@@ -326,6 +326,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
             for d in stats.feed(parser, text):
                 yield d
         notes: list[str] = []
+        hit_limit = reason == "length"          # before a parsed call turns it into tool_calls
         if parser is not None:
             for d in stats.convert(parser.finish()):
                 yield d
@@ -335,7 +336,7 @@ async def run(service, prepared: Prepared) -> AsyncIterator[Delta]:
             # arguments are incomplete, and a client must not run it as if it were whole
             if result.tool_calls and not ((reason == "length" or matched is not None) and parser.cut_off):
                 reason = "tool_calls"
-        finish = stats.finish(reason, matched, notes, engine_timings, engine_usage, engine_spec)
+        finish = stats.finish(reason, matched, notes, engine_timings, engine_usage, engine_spec, hit_limit)
         yield finish
     except APIError as e:
         stats.error(e)
@@ -386,7 +387,7 @@ class _Run:
         return self.convert(parser.feed(text))
 
     def finish(self, reason: str, matched: str | None, notes: list[str], engine_timings: dict,
-               engine_usage: dict, engine_spec: dict | None = None) -> Finish:
+               engine_usage: dict, engine_spec: dict | None = None, hit_limit: bool = False) -> Finish:
         now = time.monotonic()
         ttft = engine_timings.get("ttft_s")
         if ttft is None and self.t_first is not None:
@@ -402,7 +403,8 @@ class _Run:
         usage = dict(prompt_tokens=n_prompt, completion_tokens=self.n_out, total_tokens=n_prompt + self.n_out,
                      reasoning_tokens=min(self.reasoning_tokens, self.n_out),
                      cached_tokens=int(engine_usage.get("cached_tokens", 0) or 0))
-        finish = Finish(reason, usage, timings, matched, list(notes), spec=engine_spec)
+        finish = Finish(reason, usage, timings, matched, list(notes), spec=engine_spec,
+                        hit_limit=hit_limit or reason == "length")
         self.recorded = True
         self.service.request_done(self.prepared, finish)
         return finish

@@ -208,7 +208,9 @@ class ResponseBuilder:
     def finish(self, fin: Finish) -> list[tuple[str, dict]]:
         if fin.finish_reason == "cancelled":
             raise APIError(503, "unavailable", "the request was cancelled by the server", should_retry=True)
-        truncated = fin.finish_reason == "length"
+        # max_output_tokens (or the context) ended it: incomplete (api.md 5.1), also where whole calls were
+        # parsed before the cut (chat's finish_reason says tool_calls there; their items stay completed)
+        truncated = fin.finish_reason == "length" or fin.hit_limit
         out = self._close("incomplete" if truncated else "completed")
         u = fin.usage
         prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)

@@ -219,13 +219,17 @@ class Finish:
     if any; notes: why markup fell back to text (parser notes); spec: the engine's speculation statistics of
     this request (runtime.engine.Event.spec: rounds, drafted, accepted, accepted_hist [K+1],
     position_drafted [K], position_accepted [K], tokens_per_round), None when speculation did not run or
-    the request ended before the engine's final event (a stop string or tool call matched here)."""
+    the request ended before the engine's final event (a stop string or tool call matched here);
+    hit_limit: the generation ran into max_tokens or the context's end, also where finish_reason says
+    tool_calls because whole calls were parsed before the cut (chat's rule; the Responses API reports
+    such a response incomplete, api.md section 5)."""
     finish_reason: str
     usage: dict[str, int]
     timings: dict[str, float | None]
     matched_stop: str | None = None
     notes: list[str] = field(default_factory=list)
     spec: dict | None = None
+    hit_limit: bool = False
 
 
 Delta = (ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | TokenLogprobs | PromptLogprobs

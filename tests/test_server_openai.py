@@ -758,3 +758,28 @@ def test_an_empty_system_message_renders_as_transformers_renders_it(fake, system
     want = hf.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=False)
     assert fake.engine.prompt_text() == want
 
+
+
+def test_max_tokens_after_a_whole_call_is_tool_calls_in_chat_and_incomplete_in_responses(fake):
+    """max_tokens ends the output inside a second call's opening, after a whole first call. Chat finishes
+    tool_calls (api.md 1: tool_calls iff a call was parsed; the cut opening stays out of the content);
+    the Responses API ends the response incomplete (api.md 5: max_output_tokens hit ->
+    response.incomplete), with the whole call's item completed and no item for the cut one."""
+    text = "</think>\n\n" + CALL + "\n<tool_call>\n<function=get_ti"
+    n = len(fake.tok.encode(text))                     # the engine stops there: "length"
+    fake.engine.script(*[text] * 4)
+    ns, s, r, _ = both(fake.client, messages=USER, tools=[WEATHER, TIME], max_tokens=n)
+    assert ns["finish"] == s["finish"] == ["tool_calls"]
+    assert [c["name"] for c in s["calls"].values()] == ["get_weather"] and "<tool_call>" not in ns["content"]
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    resp = fake.client.responses.create(model="tiny", input="What is the weather in Paris?", tools=tools,
+                                        max_output_tokens=n)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    calls = [o for o in resp.output if o.type == "function_call"]
+    assert [(c.name, c.status) for c in calls] == [("get_weather", "completed")]
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "days": 3}
+    events = list(fake.client.responses.create(model="tiny", input="What is the weather in Paris?", tools=tools,
+                                               max_output_tokens=n, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(d.name, d.status) for d in done] == [("get_weather", "completed")]
