@@ -78,18 +78,30 @@ CONV_CASES = ([(s, 4) for s in ("27b", "35b", "27b-tp2", "tiny16", "gva3", "dk64
 def test_conv1d_matches_reference(shape, K, batch, update_state, seed):
     from kernels import cuda_gdn as cg
     HK, HV, DK, DV = SHAPES[shape]
-    C = 2 * HK * DK + HV * DV
-    gen = torch.Generator().manual_seed(seed)
-    lengths = BATCHES[batch]
-    N = sum(lengths)
-    n_slots, slots, fresh, cu, (slots_d, cu_d, fresh_d) = make_batch(lengths, gen)
-    x = torch.randn(N, C, generator=gen).to(torch.bfloat16).cuda()
-    w = (0.3 * torch.randn(C, K, generator=gen)).to(torch.bfloat16).cuda()
-    conv0 = torch.randn(n_slots, C, K - 1, generator=gen).to(torch.bfloat16).cuda()
+    lengths, N, C, (slots, fresh, cu, (slots_d, cu_d, fresh_d)), x, w, conv0 = conv_inputs(
+        2 * HK * DK + HV * DV, K, batch, seed)
     conv = conv0.clone()
     out = torch.full((N, C), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = cg.conv1d(x, w, conv, slots_d, cu_d, fresh_d, out=out, update_state=update_state)
     assert got.data_ptr() == out.data_ptr()
+    check_conv(out, conv, x, w, conv0, lengths, slots, fresh, cu, update_state)
+
+
+def conv_inputs(C, K, batch, seed, offset=False):
+    """A conv launch's inputs: (lengths, N, C, (slots, fresh, cu, device metadata), x, w, windows);
+    offset: x a view one element into its storage."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = BATCHES[batch]
+    N = sum(lengths)
+    n_slots, slots, fresh, cu, meta = make_batch(lengths, gen)
+    x = torch.randn(N * C + offset, generator=gen).to(torch.bfloat16).cuda()[int(offset):].view(N, C)
+    w = (0.3 * torch.randn(C, K, generator=gen)).to(torch.bfloat16).cuda()
+    conv0 = torch.randn(n_slots, C, K - 1, generator=gen).to(torch.bfloat16).cuda()
+    return lengths, N, C, (slots, fresh, cu, meta), x, w, conv0
+
+
+def check_conv(out, conv, x, w, conv0, lengths, slots, fresh, cu, update_state=True):
+    """A conv launch's outputs against the float32 reference per sequence, and its windows exactly."""
     expected_state = conv0.clone()
     for i, T in enumerate(lengths):
         lo, hi = cu[i], cu[i + 1]
@@ -115,16 +127,9 @@ def test_conv1d_one_and_two_channels_per_thread_agree(case, seed, monkeypatch):
     else:
         HK, HV, DK, DV = SHAPES[shape]
         C = 2 * HK * DK + HV * DV
-    gen = torch.Generator().manual_seed(seed)
-    lengths = BATCHES[batch]
-    N = sum(lengths)
-    n_slots, slots, fresh, cu, (slots_d, cu_d, fresh_d) = make_batch(lengths, gen)
-    if case == "offset-view":                      # 2-byte aligned: the one-channel kernel
-        x = torch.randn(N * C + 1, generator=gen).to(torch.bfloat16).cuda()[1:].view(N, C)
-    else:
-        x = torch.randn(N, C, generator=gen).to(torch.bfloat16).cuda()
-    w = (0.3 * torch.randn(C, K, generator=gen)).to(torch.bfloat16).cuda()
-    conv0 = torch.randn(n_slots, C, K - 1, generator=gen).to(torch.bfloat16).cuda()
+    # an offset view is 2-byte aligned: the one-channel kernel
+    lengths, N, C, (slots, fresh, cu, (slots_d, cu_d, fresh_d)), x, w, conv0 = conv_inputs(
+        C, K, batch, seed, offset=case == "offset-view")
     results = {}
     for x2 in ("1", "0"):
         monkeypatch.setenv(cg.CONV_X2_ENV, x2)
@@ -134,14 +139,7 @@ def test_conv1d_one_and_two_channels_per_thread_agree(case, seed, monkeypatch):
         results[x2] = (out, conv)
     assert torch.equal(results["1"][0], results["0"][0]), "the two kernels' outputs differ"
     assert torch.equal(results["1"][1], results["0"][1]), "the two kernels' windows differ"
-    out, conv = results["1"]
-    expected_state = conv0.clone()
-    for i, T in enumerate(lengths):
-        lo, hi = cu[i], cu[i + 1]
-        y, st = ref.causal_conv1d(x[lo:hi], w, None if fresh[i] else conv0[slots[i]])
-        assert maxrel(out[lo:hi], y) <= 1e-2, f"sequence {i} (T={T}, fresh={fresh[i]})"
-        expected_state[slots[i]] = st
-    assert torch.equal(conv, expected_state)
+    check_conv(*results["1"], x, w, conv0, lengths, slots, fresh, cu)
 
 
 # --------------------------------------------------------------------------------------------------
