@@ -403,8 +403,7 @@ class _Run:
         usage = dict(prompt_tokens=n_prompt, completion_tokens=self.n_out, total_tokens=n_prompt + self.n_out,
                      reasoning_tokens=min(self.reasoning_tokens, self.n_out),
                      cached_tokens=int(engine_usage.get("cached_tokens", 0) or 0))
-        finish = Finish(reason, usage, timings, matched, list(notes), spec=engine_spec,
-                        hit_limit=hit_limit or reason == "length")
+        finish = Finish(reason, usage, timings, matched, list(notes), spec=engine_spec, hit_limit=hit_limit)
         self.recorded = True
         self.service.request_done(self.prepared, finish)
         return finish
