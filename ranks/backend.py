@@ -65,8 +65,10 @@ def resolve_backend(spec: ModelSpec, backend: str, device: str, dtype, *, tp: in
 
 
 def build_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str, backend: str = "auto",
-                weights: str = "bf16", cuda_graphs: bool = True, random_weights: bool = False) -> HybridModel:
-    """One whole model (tp 1) in this process, on the chosen backend."""
+                weights: str = "bf16", cuda_graphs: bool = True, random_weights: bool = False,
+                progress=None) -> HybridModel:
+    """One whole model (tp 1) in this process, on the chosen backend; progress(done, total) hears the
+    weight bytes loaded (ranks/upload.py)."""
     spec = load_spec(model_dir)
     # shapes the CUDA kernels cannot run: the reference backend under auto, refused under cuda, before the
     # device is touched or a weight is read (the KV format is the caller's: tandem generate checks it)
@@ -76,14 +78,15 @@ def build_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str, b
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if random_weights:
-        w = random_shard(spec, 0, 1, dtype=dtype, device=device)
+        w = random_shard(spec, 0, 1, dtype=dtype, device=device, progress=progress)
     else:
         if spec.quantization:
             from ranks.checkpoint_quant import quantised_conflict
             problem = quantised_conflict(spec, weights)
             if problem:
                 raise ValueError(problem)
-        w = load_weights(Checkpoint(model_dir), spec, dtype=dtype, device=device, keep_quantised=backend == "cuda")
+        w = load_weights(Checkpoint(model_dir), spec, dtype=dtype, device=device, keep_quantised=backend == "cuda",
+                         progress=progress)
     if backend == "cuda":
         from ranks.model_cuda import CudaHybridModel
         return CudaHybridModel(spec, w, weight_format=weights, cuda_graphs=cuda_graphs)

@@ -672,10 +672,11 @@ class _DeviceRandomSource:
 
 
 def random_shard(spec: ModelSpec, rank: int = 0, tp: int = 1, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s shard of a random model of `spec`, generated on `device` (any size, no files)."""
+                 device: str | torch.device = "cpu", seed: int = 0, progress=None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s shard of a random model of `spec`, generated on `device` (any size, no files);
+    progress(done, total) as load_shard's."""
     from ranks.sharding import load_shard
     from ranks.weights import Layout
     src = _DeviceRandomSource(spec, device, seed)
-    return load_shard(src, spec, rank, tp, dtype=dtype, device=device,
+    return load_shard(src, spec, rank, tp, dtype=dtype, device=device, progress=progress,
                       layout=Layout(has_mtp=bool(spec.mtp_num_layers), per_expert=frozenset()))

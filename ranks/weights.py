@@ -58,6 +58,11 @@ class TensorInfo:
     key: str           # the name inside that file
     dtype: str         # safetensors tag (BF16, F32, ...)
     shape: tuple[int, ...]
+    offset: int = 0    # byte offset of the tensor's data in the file
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype][1]
 
 
 def canonical_name(key: str) -> str | None:
@@ -116,7 +121,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         if end > data_size:
             raise CheckpointError(f"{path}: truncated: tensor {key!r} ends at byte {end} of the data "
                                   f"section but the file holds only {data_size}")
-        out[key] = TensorInfo(path, key, tag, shape)
+        out[key] = TensorInfo(path, key, tag, shape, 8 + n + begin)
         spans.append((begin, end, key))
     # safetensors requires the tensors to tile the data section exactly; check it here so that a gap,
     # an overlap or stray trailing bytes are refused before any tensor is read (not halfway through a load)
@@ -193,11 +198,13 @@ class Checkpoint:
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
              dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+             index: tuple[slice, ...] | None = None, align: bool = True) -> torch.Tensor:
         """One tensor, or a slice of it, as a torch tensor.
 
         `rows` / `cols` slice the first two axes; `index` (a tuple of slices, one per leading axis)
-        is the general form. Only the selected bytes are read from the file.
+        is the general form. Only the selected bytes are read from the file. align: a CPU tensor
+        whose data does not start on 64 bytes is copied to one that does (CPU matmul rounding depends
+        on alignment); False where the tensor is only copied on (to a device).
         """
         if index is not None:
             if rows is not None or cols is not None:
@@ -225,7 +232,7 @@ class Checkpoint:
             raise CheckpointError(f"{info.file}: tensor {info.key!r}: {e}") from e
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
-        if t.data_ptr() % 64:
+        if align and t.data_ptr() % 64:
             t = t.clone()   # CPU matmul rounding depends on alignment: make results independent of file offsets
         return t.to(device) if str(device) != "cpu" else t
 
@@ -439,14 +446,18 @@ def _check_quantisation(ckpt: Checkpoint, spec: ModelSpec, quant: Mapping) -> No
 
 
 def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", keep_quantised: bool = False) -> dict[str, torch.Tensor]:
+                 device: str | torch.device = "cpu", keep_quantised: bool = False,
+                 progress=None) -> dict[str, torch.Tensor]:
     """Validate, then read every tensor in `dtype`; experts come back fused, tied lm_head omitted.
     A pre-quantised checkpoint's weights are dequantised, or with `keep_quantised` (the CUDA backend)
-    the ones its kernels read quantised come back as QuantWeight (ranks/checkpoint_quant.py)."""
+    the ones its kernels read quantised come back as QuantWeight (ranks/checkpoint_quant.py). A
+    device other than the CPU, or a progress(done, total) callback, loads through load_shard (tp 1):
+    pinned staging, progress (ranks/upload.py)."""
     layout = validate(ckpt, spec)
-    if layout.quantised:
+    if layout.quantised or str(device) != "cpu" or progress is not None:
         from ranks.sharding import load_shard
-        out = load_shard(ckpt, spec, 0, 1, dtype=dtype, device=device, layout=layout, keep_quantised=keep_quantised)
+        out = load_shard(ckpt, spec, 0, 1, dtype=dtype, device=device, layout=layout, keep_quantised=keep_quantised,
+                         progress=progress)
         if spec.tie_word_embeddings:
             del out["lm_head.weight"]
         return out

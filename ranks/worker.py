@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -57,7 +58,9 @@ class _Pending:
 
 
 class Worker:
-    def __init__(self, hello: msg.Hello):
+    def __init__(self, hello: msg.Hello, progress: Callable[[int, int], None] | None = None):
+        """Load this rank's shard and build its model; progress(done, total) hears the weight bytes
+        loaded so far (load_shard's)."""
         self.rank, self.tp = hello.rank, hello.tp
         threads = max(1, int(hello.options.get("threads_per_rank", 1)))
         torch.set_num_threads(threads)
@@ -78,7 +81,7 @@ class Worker:
                                   weights=opts.get("weights", "bf16"), kv_dtype=opts.get("kv_dtype", "bf16"))
         self.backend, self.weight_format = backend, opts.get("weights", "bf16")
         if opts.get("random_weights"):
-            weights = random_shard(self.spec, self.rank, self.tp, dtype=dtype, device=device)
+            weights = random_shard(self.spec, self.rank, self.tp, dtype=dtype, device=device, progress=progress)
         else:
             ckpt = Checkpoint(hello.model_dir)
             layout = validate(ckpt, self.spec)
@@ -88,7 +91,7 @@ class Worker:
                     raise ValueError(problem)
                 self.weight_format = f"{self.spec.quantization} (checkpoint)"
             weights = load_shard(ckpt, self.spec, self.rank, self.tp, dtype=dtype, device=device, layout=layout,
-                                 keep_quantised=backend == "cuda")
+                                 keep_quantised=backend == "cuda", progress=progress)
         timeout_s = float(opts.get("mailbox_timeout_s", 60))
         self.mailbox = Mailbox(hello.mailbox, self.rank, timeout_s=timeout_s)
         self.transport = None
@@ -811,8 +814,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if hello.version != msg.PROTOCOL_VERSION:
             raise msg.ProtocolError(f"coordinator speaks protocol {hello.version}, rank speaks {msg.PROTOCOL_VERSION}")
+        def progress(done: int, total: int) -> None:
+            msg.send(sock, msg.Loading(rank=args.rank, done=done, total=total))
+
         try:
-            worker = Worker(hello)
+            worker = Worker(hello, progress)
         except Exception as e:                                 # load failures are answers, not crashes
             msg.send(sock, msg.Ready(rank=args.rank, ok=False, error=f"{type(e).__name__}: {e}", pid=os.getpid()))
             return 2

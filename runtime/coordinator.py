@@ -59,7 +59,7 @@ def kv_pool_tokens(options, max_context: int,
 
 
 class Coordinator:
-    def __init__(self, model_dir: str, *, tp: int, device: str, dtype: str, options):
+    def __init__(self, model_dir: str, *, tp: int, device: str, dtype: str, options, on_load_progress=None):
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -67,6 +67,9 @@ class Coordinator:
         # absolute: the rank processes run from the repository root, not from the caller's directory
         model_dir = os.path.abspath(model_dir)
         self.model_dir, self.tp, self.device, self.dtype, self.options = model_dir, tp, device, dtype, options
+        self.on_load_progress = on_load_progress
+        self.loading: dict[int, tuple[int, int]] = {}      # rank -> (bytes loaded, its shard's bytes)
+        self._load_decile = -1                              # the last tenth of the load logged
         self.spec = load_spec(model_dir)
         problem = self.spec.tp_conflict(tp)       # the ranks' rule, checked before any process starts
         if problem:
@@ -201,6 +204,8 @@ class Coordinator:
                                      transport=self.options.transport,
                                      gpu_mailbox=self._gpu_shm.name if self._gpu_shm is not None else None,
                                      nccl_init=f"file://{self._tmp}/nccl-init")))
+            elif isinstance(m, msg.Loading):
+                self._loading(m)
             elif isinstance(m, msg.Ready):
                 if not m.ok:
                     if "needs MTP weights" in m.error:
@@ -222,6 +227,24 @@ class Coordinator:
                                                     for r, m in ready.items()})
         log.info("steps: up to %d sequences, %d columns per step, prefill chunks of %d columns",
                  self.config.max_concurrency, self.config.max_step_tokens, self.config.prefill_chunk)
+
+    def _loading(self, m: msg.Loading) -> None:
+        """A rank's load progress: the sums over the ranks to on_load_progress, and to the log at INFO
+        about every 10% of the whole."""
+        self.loading[m.rank] = (int(m.done), int(m.total))
+        done = sum(d for d, _ in self.loading.values())
+        # a rank not heard from yet counts as the largest shard so far (ranks' shards are nearly equal)
+        total = sum(t for _, t in self.loading.values()) + (self.tp - len(self.loading)) * max(
+            t for _, t in self.loading.values())
+        decile = int(10 * done / total) if total else 0
+        if decile > self._load_decile:
+            self._load_decile = decile
+            log.info("loading weights: %.1f of %.1f GiB (%d%%)", done / 2**30, total / 2**30, 100 * done // max(total, 1))
+        if self.on_load_progress is not None:
+            try:
+                self.on_load_progress(done, total)
+            except Exception:                 # noqa: BLE001 - a display's failure must not stop the load
+                log.exception("on_load_progress failed")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping.is_set() and self._thread is None:

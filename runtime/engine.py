@@ -244,19 +244,25 @@ class Engine:
     """Starts the coordinator and its rank processes; thread-safe submit / cancel / stats."""
 
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, device: str = "cpu", dtype: str = "float32",
-                 options: EngineOptions | None = None):
+                 options: EngineOptions | None = None,
+                 on_load_progress: Callable[[int, int], None] | None = None):
         from runtime.coordinator import Coordinator       # keeps `import runtime` light
 
         self.options = options or EngineOptions()
         self._coordinator = Coordinator(os.fspath(model_dir), tp=tp, device=device, dtype=dtype,
-                                        options=self.options)
+                                        options=self.options, on_load_progress=on_load_progress)
         self._ids = itertools.count(1)
 
     @classmethod
     def start(cls, model_dir: str | os.PathLike, *, tp: int = 1, device: str = "cpu", dtype: str = "float32",
-              options: EngineOptions | None = None) -> "Engine":
-        """Spawn the ranks, wait until every one has loaded its shard, start the step loop."""
-        engine = cls(model_dir, tp=tp, device=device, dtype=dtype, options=options)
+              options: EngineOptions | None = None,
+              on_load_progress: Callable[[int, int], None] | None = None) -> "Engine":
+        """Spawn the ranks, wait until every one has loaded its shard, start the step loop.
+        on_load_progress(done, total): the weight bytes the ranks have loaded so far and their total,
+        summed over the ranks, from the thread that starts the engine, as the ranks report them
+        (about every half second per rank, and once when each is done)."""
+        engine = cls(model_dir, tp=tp, device=device, dtype=dtype, options=options,
+                     on_load_progress=on_load_progress)
         engine._coordinator.start()
         return engine
 

@@ -181,8 +181,11 @@ def _plain_routes(service: Service, metrics) -> list[Route]:
         ok, message = service.health()
         if ok:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"error": {"code": 503, "message": message, "type": "unavailable_error"}},
-                            status_code=503)
+        body = {"error": {"code": 503, "message": message, "type": "unavailable_error"}}
+        loading = service.loading()
+        if loading is not None:
+            body["loading"] = loading
+        return JSONResponse(body, status_code=503)
 
     async def version(request: Request) -> Response:
         try:

@@ -390,12 +390,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tandem generate: {e}", file=sys.stderr)
         return 2
+    from server.load_progress import LoadProgress
+    progress = LoadProgress("tandem generate")
     try:
         if args.tp == 1 and not spec_k:
             from ranks.backend import build_model
-            model = build_model(model_dir, getattr(torch, args.dtype), args.device, backend=args.backend,
-                                weights=args.weights, cuda_graphs=args.cuda_graphs,
-                                random_weights=args.random_weights)
+            try:
+                model = build_model(model_dir, getattr(torch, args.dtype), args.device, backend=args.backend,
+                                    weights=args.weights, cuda_graphs=args.cuda_graphs,
+                                    random_weights=args.random_weights, progress=progress)
+            finally:
+                progress.close()
             gen = LocalGenerator(model, prefill_chunk=step_sizes(args.device, 1, args.prefill_chunk)[0],
                                  kv_dtype=args.kv_dtype)
             for token in gen.generate(prompt_ids, params, set(gen.model.spec.eos_token_ids) | extra_eos):
@@ -409,7 +414,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                     kv_dtype=args.kv_dtype,
                                     cuda_graphs=args.cuda_graphs, random_weights=args.random_weights,
                                     transport=args.transport, prefix_cache=0)     # one request: nothing to reuse
-            with Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options) as engine:
+            try:
+                engine = Engine.start(model_dir, tp=args.tp, device=args.device, dtype=args.dtype, options=options,
+                                      on_load_progress=progress)
+            finally:
+                progress.close()
+            with engine:
                 for event in engine.submit(prompt_ids, params, stop_token_ids=extra_eos if not args.ignore_eos
                                            else None):
                     for token in event.tokens:

@@ -74,6 +74,7 @@ def _serve(args, argv: list[str], held: dict) -> int:
     from runtime.engine import Engine, EngineOptions
     from runtime.tokenizer import Tokenizer, TokenizerError, generation_defaults
     from server.app import create_app
+    from server.load_progress import LoadProgress
     from server.metrics import Metrics
     from server.request_log import RequestLog, config_record
     from server.service import QWEN_MODE_SAMPLING, Service
@@ -187,8 +188,15 @@ def _serve(args, argv: list[str], held: dict) -> int:
 
     outcome = {"code": 0, "reason": "signal"}
 
+    progress = LoadProgress("tandem serve")
+    service.load_progress = progress
+
     def load():
-        return Engine.start(model_dir, tp=args.tp, device=args.device, dtype=dtype, options=options)
+        try:
+            return Engine.start(model_dir, tp=args.tp, device=args.device, dtype=dtype, options=options,
+                                on_load_progress=progress)
+        finally:
+            progress.close()
 
     def on_fatal(reason: str) -> None:
         outcome.update(code=1, reason=f"engine failure: {reason}")

@@ -304,6 +304,7 @@ class Service:
         self.thinking_close_ids = tuple(tokenizer.encode(thinking_close_text))
         self.engine = None
         self.state = "loading"
+        self.load_progress = None            # server.load_progress.LoadProgress while serve loads the engine
         self.failure: str | None = None
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -365,6 +366,12 @@ class Service:
             return False, f"Engine failed: {stats.get('failure') or 'unhealthy'}"
         return False, {"loading": "Loading model", "draining": "Shutting down", "stopped": "Shutting down",
                        "failed": f"Engine failed: {self.failure}"}[self.state]
+
+    def loading(self) -> dict | None:
+        """While the model loads: {"done_bytes", "total_bytes"} of the weights, once a rank has reported."""
+        if self.state != "loading" or self.load_progress is None:
+            return None
+        return self.load_progress.snapshot()
 
     def stats(self) -> dict:
         engine = self.engine

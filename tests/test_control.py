@@ -48,6 +48,7 @@ def _messages(seed: int) -> list[msg.Message]:
         msg.Cancel(seq_ids=[1, 2, 3]),
         msg.Heartbeat(rank=2, step=99),
         msg.Heartbeat(rank=0),
+        msg.Loading(rank=1, done=int(r.integers(0, 2**40)), total=2**41 + 12345),
         msg.Shutdown(reason="engine shutdown"),
         msg.Shutdown(),
         msg.Error(rank=1, step=-1, reason="RuntimeError: boom\nwith a second line"),

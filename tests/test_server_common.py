@@ -8,6 +8,7 @@ a random tiny checkpoint.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -446,6 +447,31 @@ def test_request_log_redacts_an_abbreviated_api_key_flag():
 
 # --------------------------------------------------------------------------------------------------
 # Health: loading, draining, engine failure
+
+
+def test_health_while_loading_reports_the_weights_loaded_so_far():
+    from server.load_progress import LoadProgress
+    d = tiny_model_dir()
+    tok = Tokenizer.from_dir(d)
+    release = threading.Event()
+    service = _service(None, tok, d)
+    progress = LoadProgress("tandem serve", stream=io.StringIO(), bar=False)
+    service.load_progress = progress
+
+    def load():
+        release.wait(30)
+        return FakeEngine(tok)
+
+    with running(create_app(service, engine_loader=load)) as url:
+        error = {"code": 503, "message": "Loading model", "type": "unavailable_error"}
+        assert httpx.get(url + "/health").json() == {"error": error}        # no rank has reported yet
+        progress(3 * 2**30, 20 * 2**30)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503
+        assert r.json() == {"error": error, "loading": {"done_bytes": 3 * 2**30, "total_bytes": 20 * 2**30}}
+        release.set()
+        wait_for(lambda: httpx.get(url + "/health").status_code == 200)
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
 def test_health_is_503_while_loading_then_200():

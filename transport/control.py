@@ -11,6 +11,7 @@ Records:
   StepPlan    coordinator -> ranks  one step: per sequence its columns, positions, slot, pages
   StepResult  rank 0 -> coordinator sampled tokens (per sequence), timings
   Cancel      coordinator -> ranks  forget sequences' sampler state between steps
+  Loading     rank -> coordinator   weight bytes loaded so far and the shard's total, while starting
   Heartbeat   rank -> coordinator   liveness, every HEARTBEAT_S
   Shutdown    coordinator -> ranks  exit cleanly
   Error       rank -> coordinator   the step id and the reason, sent before a rank exits on failure
@@ -34,7 +35,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 8     # 8: StepPlan.snapshot_saves entries carry the column count u (frontiers inside a prefill chunk); 7: prefix cache (StepPlan.snapshot_loads / snapshot_saves); 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
+PROTOCOL_VERSION = 9     # 9: Loading (weight bytes loaded while a rank starts); 8: StepPlan.snapshot_saves entries carry the column count u (frontiers inside a prefill chunk); 7: prefix cache (StepPlan.snapshot_loads / snapshot_saves); 6: prompt logprobs (StepPlan.prompt_next, StepResult.prompt_logprobs); 5: StepResult.logprobs; 4: StepResult.fed (device-fed steps); 3: Ready.runtime (backend, transport, graphs); 2: speculation fields (StepPlan drafts / next_token / kv_tokens / spec_stops,
                          #    StepResult counts / drafts)
 HEARTBEAT_S = 0.25
 
@@ -213,6 +214,15 @@ class Heartbeat(Message):
     KIND: ClassVar[int] = 6
     rank: int
     step: int = -1
+
+
+@dataclass
+class Loading(Message):
+    """Sent while a rank loads its weights (at most every ranks.upload.REPORT_S, and once at the end)."""
+    KIND: ClassVar[int] = 9
+    rank: int
+    done: int                          # bytes on the rank's device so far
+    total: int                         # the shard's bytes (counted before the load)
 
 
 @dataclass
