@@ -16,8 +16,9 @@ for each variant, alternated --reps times:
   aligned, then the synchronous copy).
 
 Floors measured in the same run: the page-cache read rate (os.preadv of every file into pinned memory,
-one thread) and the pinned host-to-device copy rate (1 GiB, torch). Each load's rate is reported with
-its ratio to the lower of the two. A table on stdout, JSON to --out.
+with one thread and with ranks.upload.READERS threads, as the staging reads) and the pinned
+host-to-device copy rate (1 GiB, torch). Each load's rate is reported with its ratio to the lower of
+the parallel read and the copy. A table on stdout, JSON to --out.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ import torch  # noqa: E402
 VARIANTS = ("staged", "staged1", "pageable", "before")
 
 
-def read_floor(files: list[str]) -> float:
-    """Bytes a second of one thread reading the files into pinned memory (64 MiB a call)."""
-    from ranks.upload import _pread
+def read_floor(files: list[str], readers: int) -> float:
+    """Bytes a second of reading the files into pinned memory, 64 MiB a call in `readers` parts at once
+    (the staging's own reads, ranks.upload.Upload._pread, without the copies to the device)."""
+    from ranks.upload import Upload
+    up = Upload("cpu")
+    up.readers = readers
     buf = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
     total, t0 = 0, time.perf_counter()
     for path in files:
@@ -48,10 +52,11 @@ def read_floor(files: list[str]) -> float:
         try:
             for at in range(0, size, buf.numel()):
                 n = min(buf.numel(), size - at)
-                _pread(fd, buf[:n], at)
+                up._pread(fd, buf[:n], at)
                 total += n
         finally:
             os.close(fd)
+    up.close()
     return total / (time.perf_counter() - t0)
 
 
@@ -118,14 +123,16 @@ def main() -> None:
     spec = load_spec(args.dir)
     ckpt = Checkpoint(args.dir)
     files = sorted({info.file for info in ckpt.tensors.values()})
-    read_floor(files)                                             # into the page cache
-    rd, h2d = read_floor(files), h2d_floor()
+    from ranks.upload import READERS
+    read_floor(files, READERS)                                    # into the page cache
+    rd1, rd, h2d = read_floor(files, 1), read_floor(files, READERS), h2d_floor()
     floor = min(rd, h2d)
     props = torch.cuda.get_device_properties(0)
     commit = os.environ.get("TANDEM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True, text=True).stdout.strip() or None
-    print(f"device {props.name}; {len(files)} files; page-cache read {rd / 2**30:.2f} GiB/s (one thread), "
-          f"pinned host-to-device {h2d / 2**30:.2f} GiB/s", flush=True)
+    print(f"device {props.name}; {len(files)} files; page-cache read {rd1 / 2**30:.2f} GiB/s (one thread), "
+          f"{rd / 2**30:.2f} GiB/s ({READERS} threads); pinned host-to-device {h2d / 2**30:.2f} GiB/s; floor: "
+          f"the lower of the last two", flush=True)
     rows = []
     for rep in range(args.reps):
         for tp in args.tp:
@@ -143,7 +150,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(model=args.model, layers=spec.num_layers, device=props.name, commit=commit,
-                           date=time.strftime("%Y-%m-%d"), files=len(files), read_Bps=rd, h2d_Bps=h2d,
+                           date=time.strftime("%Y-%m-%d"), files=len(files), read1_Bps=rd1, read_Bps=rd,
+                           readers=READERS, h2d_Bps=h2d,
                            rows=rows), f, indent=1)
 
 
