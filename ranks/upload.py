@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from kernels.quant import QuantWeight
-from ranks.weights import _DTYPES, Checkpoint
+from ranks.weights import _DTYPES, Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,17 @@ class Upload:
         self._next = 0
         self.t0 = time.monotonic()
         if self.staged:
-            with torch.cuda.device(self.device):
-                for _ in range(2):
-                    self._slabs.append(torch.empty(slab_bytes or SLAB_BYTES, dtype=torch.uint8, pin_memory=True))
-                    self._events.append(torch.cuda.Event())
-                    self._events[-1].record()                 # "free" until a copy is recorded after it
+            try:
+                with torch.cuda.device(self.device):
+                    for _ in range(2):
+                        self._slabs.append(torch.empty(slab_bytes or SLAB_BYTES, dtype=torch.uint8, pin_memory=True))
+                        self._events.append(torch.cuda.Event())
+                        self._events[-1].record()             # "free" until a copy is recorded after it
+            except RuntimeError as e:                         # no pinned memory to be had: the plain copies
+                log.warning("pinned staging unavailable (%s); loading through pageable copies", e)
+                self._slabs.clear()
+                self._events.clear()
+                self.staged = False
 
     # ----------------------------------------------------------------------------------------------
 
@@ -100,7 +106,10 @@ class Upload:
             return self._count(self._stage(ckpt.read(name, index=index or None, dtype=dtype, align=False)))
         path, offset, shape, stored, rest = span
         dst = torch.empty(shape, dtype=stored, device=self.device)
-        self._fill(dst, lambda buf, at: self._pread(self._fd(path), buf, offset + at))
+        try:
+            self._fill(dst, lambda buf, at: self._pread(self._fd(path), buf, offset + at))
+        except OSError as e:
+            raise CheckpointError(f"{path}: tensor {ckpt.tensors[name].key!r}: cannot read: {e}") from e
         if rest is not None:                         # the columns of the rows read: sliced here
             dst = dst[rest].contiguous()
         if dtype is not None and dtype != stored:
@@ -119,10 +128,14 @@ class Upload:
             return self._count(t)
         return self._count(self._stage(t) if self.staged else t.to(self.device))
 
-    def close(self) -> None:
+    def close(self, report: bool = True) -> None:
         """Wait for the copies, release the staging memory and the files, report the final count."""
+        error = None
         if self._slabs:
-            torch.cuda.current_stream(self.device).synchronize()
+            try:
+                torch.cuda.current_stream(self.device).synchronize()
+            except RuntimeError as e:             # raised after the files and threads are released
+                error = e
             self._slabs.clear()
             self._events.clear()
         if self._pool is not None:
@@ -131,6 +144,10 @@ class Upload:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if error is not None:
+            raise error
+        if not report:
+            return
         if self._report is not None:
             self._report(self.done, max(self.total, self.done))
         dt = time.monotonic() - self.t0
@@ -140,8 +157,14 @@ class Upload:
     def __enter__(self) -> "Upload":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:                                   # a failed load: release what is held, keep its error
+            self.close(report=False)
+        except Exception:                      # noqa: BLE001 - e.g. the CUDA error that failed the load
+            pass
 
     # ----------------------------------------------------------------------------------------------
 

@@ -87,3 +87,15 @@ def test_staged_and_direct_uploads_agree_on_odd_tensors(monkeypatch, seed):
     for i, (a, b) in enumerate(zip(got, cases + [q])):
         _same(a, b.contiguous() if isinstance(b, torch.Tensor) else b, f"case {i}")
     assert up.done == sum(nbytes(t) for t in cases) + nbytes(q)
+
+
+def test_a_file_cut_short_after_opening_fails_the_load_naming_it(tmp_path, seed):
+    spec, ckpt = _checkpoint(tmp_path, seed, False, False, torch.bfloat16)
+    info = max(ckpt.tensors.values(), key=lambda i: i.offset)             # the last tensor of its file
+    with open(info.file, "r+b") as f:
+        f.truncate(info.offset + 10)
+    with pytest.raises(Exception) as err:
+        load_shard(ckpt, spec, 0, 1, dtype=torch.bfloat16, device="cuda")
+    assert info.file in str(err.value) or info.key in str(err.value)
+    torch.cuda.synchronize()                                               # the device is still usable
+    assert torch.ones(3, device="cuda").sum().item() == 3

@@ -123,6 +123,17 @@ def test_parallel_reads_fill_the_buffer_with_the_files_bytes(tmp_path, seed, rea
         up.close()
 
 
+def test_a_short_read_is_an_error_not_stale_bytes(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 40)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="short read at byte 10240"):
+            _pread(fd, torch.empty(10241, dtype=torch.uint8), 0)
+    finally:
+        os.close(fd)
+
+
 def test_upload_on_the_cpu_counts_and_reports_at_close(tmp_path, seed):
     spec, ckpt = _checkpoint(tmp_path, seed)
     reports = []
