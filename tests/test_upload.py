@@ -146,15 +146,21 @@ def test_upload_on_the_cpu_counts_and_reports_at_close(tmp_path, seed):
         assert torch.equal(t, ckpt.read(name, dtype=torch.float32))
 
 
-def test_engine_passes_the_ranks_progress_on(tmp_path, seed):
+@pytest.mark.parametrize("source", ["checkpoint", "random"])
+def test_engine_passes_the_ranks_progress_on(tmp_path, seed, source):
     """Engine.start(on_load_progress=...) hears both ranks' loads summed; the last call is the whole."""
+    from ranks.random_checkpoint import random_shard
     from runtime import Engine, EngineOptions
     spec, ckpt = _checkpoint(tmp_path, seed)
     calls = []
-    with Engine.start(tmp_path, tp=2, options=EngineOptions(max_concurrency=1),
-                      on_load_progress=lambda d, t: calls.append((d, t))) as engine:
+    opts = EngineOptions(max_concurrency=1, random_weights=source == "random")
+    with Engine.start(tmp_path, tp=2, options=opts, on_load_progress=lambda d, t: calls.append((d, t))) as engine:
         assert engine.spec.num_layers == spec.num_layers
-    expect = sum(sum(nbytes(t) for t in load_shard(ckpt, spec, r, 2).values()) for r in range(2))
+    if source == "random":
+        shards = [random_shard(spec, r, 2, dtype=torch.float32) for r in range(2)]
+    else:
+        shards = [load_shard(ckpt, spec, r, 2) for r in range(2)]
+    expect = sum(sum(nbytes(t) for t in shard.values()) for shard in shards)
     assert calls and calls[-1] == (expect, expect)
     assert all(d <= t for d, t in calls)
 
