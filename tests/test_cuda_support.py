@@ -293,7 +293,7 @@ def test_generate_passes_the_fallback_to_its_ranks(tmp_path, kernels_available, 
     from server.cli import main
     seen = {}
 
-    def start(model_dir, *, tp, device, dtype, options):
+    def start(model_dir, *, tp, device, dtype, options, on_load_progress=None):
         seen.update(backend=options.backend, tp=tp, device=device)
         raise runtime.EngineError("stopped here by the test")
     monkeypatch.setattr(runtime.Engine, "start", staticmethod(start))
