@@ -37,6 +37,7 @@ from kernels.quant import QuantWeight, cat_rows, quantize_fp8_blocks, quantize_f
 from ranks.cuda_support import WEIGHT_FORMATS, check_cuda_support
 from ranks.kvcache import ModelState
 from ranks.model import Batch, HybridModel, KeptColumns, StepOutput, commit_batched, conv_window
+from ranks.upload import nbytes
 from runtime.config import FULL_ATTENTION, PAGE_SIZE, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -870,10 +871,6 @@ def weight_bytes(weights: dict[str, Tensor | QuantWeight]) -> int:
     return total
 
 
-def _nbytes(t: Tensor | QuantWeight) -> int:
-    return t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size()
-
-
 def _ptr(t: Tensor | QuantWeight) -> int:
     return (t.data if isinstance(t, QuantWeight) else t).data_ptr()
 
@@ -889,16 +886,16 @@ def step_byte_parts(model, spec: ModelSpec, kv_dtype: str = "bf16") -> dict[str,
     shared storages once)."""
     w = model.w
     emb = w["embed_tokens.weight"]
-    fixed = weight_bytes({k: v for k, v in w.items() if not k.startswith("mtp.")}) - _nbytes(emb)
+    fixed = weight_bytes({k: v for k, v in w.items() if not k.startswith("mtp.")}) - nbytes(emb)
     if _ptr(model.head) == _ptr(emb):                    # a tied table is read whole as the head
-        fixed += _nbytes(emb)
+        fixed += nbytes(emb)
     experts, X, A = 0, 0, 0
     if spec.is_moe:                                      # the stacks (with the shared expert folded in,
         X, A = spec.num_experts, spec.num_experts_per_tok    # its slice stays in `fixed`: always read)
         for i in range(spec.num_layers):
             for n in ("experts.gate_up_proj", "experts.down_proj"):
                 t = w.get(f"layers.{i}.mlp.{n}")
-                experts += _nbytes(t) if t is not None else 0
+                experts += nbytes(t) if t is not None else 0
         fixed -= experts
     n_attn = sum(1 for k in spec.layer_types if k == FULL_ATTENTION)
     n_gdn = spec.num_layers - n_attn

@@ -53,9 +53,7 @@ def pinned_upload_enabled() -> bool:
 
 
 def nbytes(t: torch.Tensor | QuantWeight) -> int:
-    if isinstance(t, QuantWeight):
-        return sum(nbytes(x) for x in (t.data, t.scale, t.global_scale) if x is not None)
-    return t.numel() * t.element_size()
+    return t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size()
 
 
 class Upload:

@@ -60,10 +60,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int = 0    # byte offset of the tensor's data in the file
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[self.dtype][1]
-
 
 def canonical_name(key: str) -> str | None:
     """The tandem name of a checkpoint key, or None for tensors tandem ignores (vision tower)."""

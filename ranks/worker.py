@@ -814,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if hello.version != msg.PROTOCOL_VERSION:
             raise msg.ProtocolError(f"coordinator speaks protocol {hello.version}, rank speaks {msg.PROTOCOL_VERSION}")
+
         def progress(done: int, total: int) -> None:
             msg.send(sock, msg.Loading(rank=args.rank, done=done, total=total))
 

@@ -229,22 +229,23 @@ class Coordinator:
                  self.config.max_concurrency, self.config.max_step_tokens, self.config.prefill_chunk)
 
     def _loading(self, m: msg.Loading) -> None:
-        """A rank's load progress: the sums over the ranks to on_load_progress, and to the log at INFO
-        about every 10% of the whole."""
+        """A rank's load progress: the sums over the ranks to on_load_progress, or without one to the log
+        at INFO about every 10% of the whole."""
         self.loading[m.rank] = (int(m.done), int(m.total))
         done = sum(d for d, _ in self.loading.values())
         # a rank not heard from yet counts as the largest shard so far (ranks' shards are nearly equal)
         total = sum(t for _, t in self.loading.values()) + (self.tp - len(self.loading)) * max(
             t for _, t in self.loading.values())
-        decile = int(10 * done / total) if total else 0
-        if decile > self._load_decile:
-            self._load_decile = decile
-            log.info("loading weights: %.1f of %.1f GiB (%d%%)", done / 2**30, total / 2**30, 100 * done // max(total, 1))
         if self.on_load_progress is not None:
             try:
                 self.on_load_progress(done, total)
             except Exception:                 # noqa: BLE001 - a display's failure must not stop the load
                 log.exception("on_load_progress failed")
+            return
+        decile = int(10 * done / total) if total else 0
+        if decile > self._load_decile:
+            self._load_decile = decile
+            log.info("loading weights: %.1f of %.1f GiB (%d%%)", done / 2**30, total / 2**30, 100 * done // max(total, 1))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping.is_set() and self._thread is None:
